@@ -1,0 +1,40 @@
+# kv-epp: the two set-up commands are `make demo` and `make test`; `make bench` prints figures.
+SHELL := /bin/bash
+CARGO ?= cargo
+TRACE ?=
+
+.PHONY: demo demo-quick test tools lint unit bench fmt clean
+
+## The main job on an embedded default workload.
+demo:
+	$(CARGO) build --release --bin kv-epp
+	./target/release/kv-epp demo $(DEMO_ARGS)
+
+demo-quick:
+	$(MAKE) demo DEMO_ARGS=--quick
+
+## Installs what the tests need (Python venv with real Envoy, reference tokenizers, ...), then
+## runs every check: formatting, clippy with warnings denied, unit/property/black-box tests.
+test: tools lint unit
+
+tools:
+	bash scripts/setup-venv.sh
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --all-targets -- -D warnings
+
+unit:
+	KV_EPP_VENV=$(CURDIR)/.venv $(CARGO) test --all-targets
+
+## Benchmarks print figures as ratios against a baseline measured in the same run.
+## TRACE=path/to/mooncake.jsonl adds a trace-driven run.
+bench:
+	$(CARGO) bench --bench core -- $(if $(TRACE),--trace $(TRACE),)
+
+fmt:
+	$(CARGO) fmt --all
+
+clean:
+	$(CARGO) clean
+	rm -rf .venv

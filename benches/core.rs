@@ -1,0 +1,412 @@
+//! `make bench`: figures for the routing core, each against a baseline measured in the same run.
+//!
+//! - hashing: our salted local (and chained) hashes vs raw `xxh3_64` over the same bytes;
+//! - index apply: blocks/s on one core, from engine-style stored events;
+//! - index query: p50/p99 for an 8,192-token prompt (512 blocks of 16) against 64 and 256
+//!   workers holding 1M+ blocks in total, idle and while another thread applies events;
+//! - memory: bytes per (worker, block) all-in (holder table + per-worker engine maps), from a
+//!   counting allocator, with and without salts.
+//!
+//! Populations come from the built-in multi-tenant generator, or from a Mooncake trace with
+//! `--trace PATH` (never copied into the repository).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::collections::HashSet;
+use std::hint::black_box;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use kv_epp::hashing::{HashSeed, local_block_hashes, prompt_hashes};
+use kv_epp::index::holders::MAPPED_BYTES;
+use kv_epp::index::{EngineBlockHash, IndexLimits, KvIndex, Medium, StoreBlocks};
+use kv_epp::sim::fleet::percentile;
+use kv_epp::worker::WorkerId;
+use kv_epp::workload::read_mooncake;
+
+struct Counting;
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: delegates to the system allocator and only counts sizes.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        LIVE.fetch_add(l.size(), Ordering::Relaxed);
+        // SAFETY: forwarded unchanged.
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
+        // SAFETY: forwarded unchanged.
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+        LIVE.fetch_add(new, Ordering::Relaxed);
+        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
+        // SAFETY: forwarded unchanged.
+        unsafe { System.realloc(p, l, new) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+const BLOCK: usize = 16;
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let trace = args
+        .iter()
+        .position(|a| a == "--trace")
+        .and_then(|i| args.get(i + 1))
+        .cloned();
+    println!(
+        "kv-epp core benchmarks (block size {BLOCK}; one process, same run for every ratio)\n"
+    );
+    let only_query = args.iter().any(|a| a == "--quick-query");
+    if !only_query {
+        bench_hashing();
+    }
+    let shapes: &[(usize, bool)] = if only_query {
+        &[(256, true)]
+    } else {
+        &[(64, true), (64, false), (256, true), (256, false)]
+    };
+    for &(workers, salted) in shapes {
+        {
+            let pop = Population::generated(workers, 1_050_000, salted);
+            bench_index(&pop, workers, salted);
+        }
+    }
+    if let Some(path) = trace {
+        let reqs = read_mooncake(std::path::Path::new(&path), 32_000, 8, Some(4000))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let prompts: Vec<(Option<String>, Vec<u32>)> =
+            reqs.into_iter().map(|r| (r.tenant, r.tokens)).collect();
+        let pop = Population::from_prompts(64, &prompts);
+        println!(
+            "Mooncake trace {path}: {} prompts over 64 workers",
+            prompts.len()
+        );
+        bench_index(&pop, 64, true);
+    }
+}
+
+/// All-in live bytes: everything the global allocator has handed out, plus the holder arrays the
+/// index maps directly (for huge pages) outside the allocator.
+fn live_bytes() -> usize {
+    LIVE.load(Ordering::Relaxed) + MAPPED_BYTES.load(Ordering::Relaxed)
+}
+
+/// Lets epoch-deferred frees (tables replaced while growing) run, so they are not counted.
+fn settle() {
+    for _ in 0..64 {
+        crossbeam_epoch::pin().flush();
+    }
+}
+
+/// Best-of-N wall time of `f`.
+fn best_of(n: usize, mut f: impl FnMut()) -> Duration {
+    (0..n)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed()
+        })
+        .min()
+        .unwrap_or_default()
+}
+
+fn bench_hashing() {
+    let mut rng = SmallRng::seed_from_u64(1);
+    let tokens: Vec<u32> = (0..1 << 20).map(|_| rng.random_range(0..128_000)).collect();
+    let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+    let seed = HashSeed::new(Some("adapter"), Some("tenant-a"));
+    let raw = best_of(15, || {
+        let mut acc = 0u64;
+        for chunk in bytes.chunks_exact(BLOCK * 4) {
+            acc ^= xxh3_64_with_seed(chunk, seed.0);
+        }
+        black_box(acc);
+    });
+    let local = best_of(15, || {
+        black_box(local_block_hashes(&tokens, BLOCK, seed));
+    });
+    let full = best_of(15, || {
+        black_box(prompt_hashes(&tokens, BLOCK, seed));
+    });
+    let mb = bytes.len() as f64 / 1e6;
+    println!("hashing ({:.1} MB of tokens, blocks of {BLOCK})", mb);
+    println!(
+        "  raw xxh3_64 per block      {:>8.0} MB/s   (baseline)",
+        mb / raw.as_secs_f64()
+    );
+    println!(
+        "  salted local hashes        {:>8.0} MB/s   {:.2}x of raw",
+        mb / local.as_secs_f64(),
+        raw.as_secs_f64() / local.as_secs_f64()
+    );
+    println!(
+        "  local + chained sequence   {:>8.0} MB/s   {:.2}x of raw\n",
+        mb / full.as_secs_f64(),
+        raw.as_secs_f64() / full.as_secs_f64()
+    );
+}
+
+/// One stored-blocks event, owned.
+struct Event {
+    worker: usize,
+    parent: Option<u64>,
+    seed: HashSeed,
+    hashes: Vec<EngineBlockHash>,
+    tokens: Vec<u32>,
+}
+
+/// Engine events that fill a fleet, plus prompts to query.
+struct Population {
+    events: Vec<Event>,
+    blocks: usize,
+    /// (seed, tokens, holder worker) of long prompts some worker holds completely.
+    hot_prompts: Vec<(HashSeed, Vec<u32>)>,
+}
+
+fn engine_hash(parent: Option<u64>, tokens: &[u32], seed: HashSeed) -> u64 {
+    let mut buf = Vec::with_capacity(16 + tokens.len() * 4);
+    buf.extend_from_slice(&parent.unwrap_or(0).to_le_bytes());
+    buf.extend_from_slice(&seed.0.to_le_bytes());
+    for t in tokens {
+        buf.extend_from_slice(&t.to_le_bytes());
+    }
+    xxh3_64_with_seed(&buf, 99)
+}
+
+impl Population {
+    /// Multi-tenant sessions: 16 tenants, each with a 1,024-token system prompt shared by its
+    /// sessions; each session's prompt is 8,192 tokens; sessions are spread over workers with
+    /// tenant affinity, so system prompts live on many workers.
+    fn generated(workers: usize, target_blocks: usize, salted: bool) -> Population {
+        let mut rng = SmallRng::seed_from_u64(7);
+        let tenants = 16;
+        let systems: Vec<Vec<u32>> = (0..tenants)
+            .map(|_| (0..1024).map(|_| rng.random_range(0..128_000)).collect())
+            .collect();
+        let mut prompts = Vec::new();
+        let per_prompt = 8192 / BLOCK;
+        let sessions = target_blocks / (per_prompt - 1024 / BLOCK) + 1;
+        for s in 0..sessions {
+            let t = s % tenants;
+            let mut p = systems[t].clone();
+            p.extend((0..8192 - 1024).map(|_| rng.random_range(0..128_000u32)));
+            let tenant = salted.then(|| format!("tenant-{t}"));
+            prompts.push((tenant, p));
+        }
+        Population::from_prompts(workers, &prompts)
+    }
+
+    /// Assigns each prompt to a worker (round-robin) and emits the events the engine would: the
+    /// blocks the worker did not already hold, continuing the longest held prefix.
+    fn from_prompts(workers: usize, prompts: &[(Option<String>, Vec<u32>)]) -> Population {
+        let mut held: Vec<HashSet<u64>> = vec![HashSet::new(); workers];
+        let mut events = Vec::new();
+        let mut blocks = 0;
+        let mut hot = Vec::new();
+        for (i, (tenant, tokens)) in prompts.iter().enumerate() {
+            let w = i % workers;
+            let seed = HashSeed::new(None, tenant.as_deref());
+            let mut parent = None;
+            let mut start = None;
+            let mut hashes = Vec::new();
+            for (b, chunk) in tokens.chunks_exact(BLOCK).enumerate() {
+                let h = engine_hash(parent, chunk, seed);
+                if start.is_none() && !held[w].contains(&h) {
+                    start = Some((b, parent));
+                }
+                if start.is_some() {
+                    held[w].insert(h);
+                    hashes.push(EngineBlockHash(h));
+                }
+                parent = Some(h);
+            }
+            if let Some((b, p)) = start {
+                blocks += hashes.len();
+                events.push(Event {
+                    worker: w,
+                    parent: p,
+                    seed,
+                    tokens: tokens[b * BLOCK..(b + hashes.len()) * BLOCK].to_vec(),
+                    hashes,
+                });
+            }
+            if tokens.len() >= 8192 && hot.len() < 64 {
+                hot.push((seed, tokens[..8192].to_vec()));
+            }
+        }
+        Population {
+            events,
+            blocks,
+            hot_prompts: hot,
+        }
+    }
+}
+
+fn ids(workers: usize) -> Vec<WorkerId> {
+    (0..workers)
+        .map(|i| {
+            WorkerId::new(
+                format!("10.{}.{}.{}:8000", i / 65536, (i / 256) % 256, i % 256)
+                    .parse()
+                    .unwrap(),
+            )
+        })
+        .collect()
+}
+
+fn apply(index: &KvIndex, ids: &[WorkerId], ev: &Event) {
+    index
+        .store(
+            &ids[ev.worker],
+            &StoreBlocks {
+                parent: ev.parent.map(EngineBlockHash),
+                root_seed: ev.seed,
+                engine_hashes: &ev.hashes,
+                tokens: &ev.tokens,
+                medium: Medium::Device,
+            },
+        )
+        .expect("store");
+}
+
+fn bench_index(pop: &Population, workers: usize, salted: bool) {
+    let ids = ids(workers);
+    let limits = IndexLimits::default();
+    settle();
+    let before = live_bytes();
+    let index = KvIndex::new(BLOCK, limits);
+    for id in &ids {
+        index.add_worker(*id);
+    }
+    let t = Instant::now();
+    for ev in &pop.events {
+        apply(&index, &ids, ev);
+    }
+    let apply_time = t.elapsed();
+    settle();
+    let bytes = live_bytes() - before;
+    let pairs = index.pairs();
+    println!(
+        "index: {workers} workers, {} (worker, block) pairs, {}",
+        pairs,
+        if salted {
+            "16 salted tenants"
+        } else {
+            "unsalted"
+        }
+    );
+    println!(
+        "  apply (one core)           {:>8.2} M blocks/s",
+        pop.blocks as f64 / apply_time.as_secs_f64() / 1e6
+    );
+    println!(
+        "  memory all-in              {:>8.1} bytes per (worker, block)   (tables alone {:.1})",
+        bytes as f64 / pop.blocks as f64,
+        index.approx_heap_bytes() as f64 / pop.blocks as f64
+    );
+
+    let queries: Vec<Vec<_>> = pop
+        .hot_prompts
+        .iter()
+        .map(|(seed, t)| prompt_hashes(t, BLOCK, *seed).1)
+        .collect();
+    let depth: usize = queries
+        .iter()
+        .map(|q| {
+            index
+                .query(q)
+                .iter()
+                .map(|o| o.total_blocks as usize)
+                .max()
+                .unwrap_or(0)
+        })
+        .sum::<usize>()
+        / queries.len().max(1);
+    let lat = measure_queries(&index, &queries, 20_000);
+    println!(
+        "  query 512-block prompt     p50 {:>6.2} µs   p99 {:>6.2} µs   (best worker holds {depth} blocks)",
+        percentile(&lat, 0.50) as f64 / 1000.0,
+        percentile(&lat, 0.99) as f64 / 1000.0
+    );
+    let miss: Vec<_> = {
+        let mut rng = SmallRng::seed_from_u64(3);
+        let t: Vec<u32> = (0..8192).map(|_| rng.random_range(0..128_000)).collect();
+        vec![prompt_hashes(&t, BLOCK, HashSeed::UNSALTED).1]
+    };
+    let lat = measure_queries(&index, &miss, 20_000);
+    println!(
+        "  query 512-block miss       p50 {:>6.2} µs   p99 {:>6.2} µs",
+        percentile(&lat, 0.50) as f64 / 1000.0,
+        percentile(&lat, 0.99) as f64 / 1000.0
+    );
+    // Queries while another thread keeps applying events (remove + re-store churn).
+    let index = Arc::new(index);
+    let stop = Arc::new(AtomicBool::new(false));
+    let churned = Arc::new(AtomicUsize::new(0));
+    let writer = {
+        let (index, stop, churned) = (index.clone(), stop.clone(), churned.clone());
+        let ids = ids.clone();
+        let evs: Vec<Event> = pop
+            .events
+            .iter()
+            .take(2000)
+            .map(|e| Event {
+                worker: e.worker,
+                parent: e.parent,
+                seed: e.seed,
+                hashes: e.hashes.clone(),
+                tokens: e.tokens.clone(),
+            })
+            .collect();
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                for ev in &evs {
+                    index
+                        .remove(&ids[ev.worker], &ev.hashes, Medium::Device)
+                        .expect("remove");
+                    apply(&index, &ids, ev);
+                    churned.fetch_add(ev.hashes.len() * 2, Ordering::Relaxed);
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                }
+            }
+        })
+    };
+    let t = Instant::now();
+    let lat = measure_queries(&index, &queries, 20_000);
+    let elapsed = t.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    writer.join().expect("writer");
+    println!(
+        "  query under apply churn    p50 {:>6.2} µs   p99 {:>6.2} µs   (writer applied {:.2} M block ops/s meanwhile)\n",
+        percentile(&lat, 0.50) as f64 / 1000.0,
+        percentile(&lat, 0.99) as f64 / 1000.0,
+        churned.load(Ordering::Relaxed) as f64 / elapsed.as_secs_f64() / 1e6
+    );
+}
+
+fn measure_queries(
+    index: &KvIndex,
+    queries: &[Vec<kv_epp::hashing::SequenceHash>],
+    n: usize,
+) -> Vec<u64> {
+    let mut lat = Vec::with_capacity(n);
+    for i in 0..n {
+        let q = &queries[i % queries.len()];
+        let t = Instant::now();
+        black_box(index.query(q));
+        lat.push(t.elapsed().as_nanos() as u64);
+    }
+    lat
+}

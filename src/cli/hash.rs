@@ -1,0 +1,43 @@
+//! `kv-epp hash`: an operator's check of the hashing contract against another implementation.
+//!
+//! Reads a JSON array of token IDs on stdin and prints `{"local":[...],"sequence":[...]}` (u64).
+
+use std::io::Read;
+
+use kv_epp::hashing::{HashSeed, prompt_hashes};
+use kv_epp::salt::{CacheSalt, SaltSource};
+
+/// Flags of `kv-epp hash`.
+#[derive(clap::Args, Debug)]
+pub struct HashArgs {
+    /// Tokens per block.
+    #[arg(long)]
+    pub block_size: usize,
+    /// Cache salt (tenant namespace); empty means unsalted.
+    #[arg(long)]
+    pub salt: Option<String>,
+    /// LoRA adapter name; empty means none.
+    #[arg(long)]
+    pub lora: Option<String>,
+}
+
+/// Runs the subcommand on `input`, returning the JSON line to print.
+pub fn run(args: &HashArgs, mut input: impl Read) -> Result<String, String> {
+    let mut text = String::new();
+    input
+        .read_to_string(&mut text)
+        .map_err(|e| format!("reading stdin: {e}"))?;
+    let tokens: Vec<u32> = serde_json::from_str(&text)
+        .map_err(|e| format!("stdin must be a JSON array of token IDs (0..=4294967295): {e}"))?;
+    let salt = match args.salt.as_deref() {
+        Some(s) => CacheSalt::new(s, SaltSource::Header).map_err(|e| e.to_string())?,
+        None => None,
+    };
+    let seed = HashSeed::new(args.lora.as_deref(), salt.as_ref().map(CacheSalt::expose));
+    let (local, sequence) = prompt_hashes(&tokens, args.block_size, seed);
+    let out = serde_json::json!({
+        "local": local.iter().map(|h| h.0).collect::<Vec<_>>(),
+        "sequence": sequence.iter().map(|h| h.0).collect::<Vec<_>>(),
+    });
+    Ok(out.to_string())
+}

@@ -1,0 +1,4 @@
+//! Subcommands of the `kv-epp` binary. Each file is one subcommand: flags in, exit status out.
+
+pub mod demo;
+pub mod hash;

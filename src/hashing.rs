@@ -1,0 +1,296 @@
+//! Salted block hashing: the contract shared with Dynamo's KV router.
+//!
+//! A prompt is cut into complete blocks of `block_size` tokens. Each block gets a *local* hash
+//! (XXH3-64 over its tokens as little-endian u32, under a seed that mixes in the LoRA adapter and
+//! the cache salt), and each prefix gets a *sequence* hash chained over the local hashes. The
+//! index is keyed by sequence hashes, so a match always means "the same tokens, in the same
+//! place, under the same salt and adapter".
+//!
+//! Invariants: unsalted, adapter-less hashes are bit-for-bit Dynamo's (seed 1337); a trailing
+//! partial block is never hashed; `block_size == 0` yields no hashes.
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// Seed every local hash starts from, and the only seed of the sequence chain.
+pub const BASE_SEED: u64 = 1337;
+/// Seed used to hash the LoRA name into the local-hash seed.
+const LORA_SEED: u64 = 0;
+/// Seed used to hash the cache salt into the local-hash seed; distinct from [`LORA_SEED`] so that
+/// salt "X" and adapter "X" never collide.
+const SALT_SEED: u64 = 1;
+
+/// Hash of one complete block of tokens under a [`HashSeed`]. Position-independent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LocalBlockHash(pub u64);
+
+/// Hash identifying a whole prefix: the chain of local hashes up to and including one block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SequenceHash(pub u64);
+
+/// The seed of a request's local block hashes: 1337, plus the LoRA term, plus the salt term.
+///
+/// Two requests can share cached blocks only if their seeds are equal, which is what makes tenant
+/// isolation structural rather than a filter applied afterwards.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct HashSeed(pub u64);
+
+impl HashSeed {
+    /// The seed of an unsalted request without an adapter.
+    pub const UNSALTED: HashSeed = HashSeed(BASE_SEED);
+
+    /// Computes the seed for an optional LoRA adapter name and an optional cache salt.
+    /// Empty strings count as absent, exactly like `None`.
+    pub fn new(lora_name: Option<&str>, salt: Option<&str>) -> HashSeed {
+        let mut seed = BASE_SEED;
+        if let Some(lora) = lora_name.filter(|l| !l.is_empty()) {
+            seed = seed.wrapping_add(xxh3_64_with_seed(lora.as_bytes(), LORA_SEED));
+        }
+        if let Some(salt) = salt.filter(|s| !s.is_empty()) {
+            seed = seed.wrapping_add(xxh3_64_with_seed(salt.as_bytes(), SALT_SEED));
+        }
+        HashSeed(seed)
+    }
+}
+
+/// Local hashes of every complete block of `tokens`. Cost: one XXH3 pass over the token bytes.
+pub fn local_block_hashes(
+    tokens: &[u32],
+    block_size: usize,
+    seed: HashSeed,
+) -> Vec<LocalBlockHash> {
+    if block_size == 0 {
+        return Vec::new();
+    }
+    tokens
+        .chunks_exact(block_size)
+        .map(|block| hash_block(block, seed))
+        .collect()
+}
+
+/// Local hash of one block (any length; callers pass complete blocks).
+pub fn hash_block(block: &[u32], seed: HashSeed) -> LocalBlockHash {
+    LocalBlockHash(with_le_bytes(block, |bytes| {
+        xxh3_64_with_seed(bytes, seed.0)
+    }))
+}
+
+/// The chained hash of a prefix whose previous prefix hash is `parent`.
+#[inline]
+pub fn chain(parent: SequenceHash, local: LocalBlockHash) -> SequenceHash {
+    let mut buf = [0u8; 16];
+    buf[..8].copy_from_slice(&parent.0.to_le_bytes());
+    buf[8..].copy_from_slice(&local.0.to_le_bytes());
+    SequenceHash(xxh3_64_with_seed(&buf, BASE_SEED))
+}
+
+/// Sequence hashes of a chain of local hashes that starts a prompt (`seq[0] = local[0]`).
+pub fn sequence_hashes(locals: &[LocalBlockHash]) -> Vec<SequenceHash> {
+    let mut out = Vec::with_capacity(locals.len());
+    extend_sequence(None, locals, &mut out);
+    out
+}
+
+/// Appends the sequence hashes of `locals`, continuing after the prefix `parent` (or starting a
+/// prompt when `parent` is `None`).
+pub fn extend_sequence(
+    parent: Option<SequenceHash>,
+    locals: &[LocalBlockHash],
+    out: &mut Vec<SequenceHash>,
+) {
+    let mut prev = parent;
+    for &local in locals {
+        let next = match prev {
+            None => SequenceHash(local.0),
+            Some(p) => chain(p, local),
+        };
+        out.push(next);
+        prev = Some(next);
+    }
+}
+
+/// Both hash lists of a prompt, as the `kv-epp hash` subcommand and the query path need them.
+pub fn prompt_hashes(
+    tokens: &[u32],
+    block_size: usize,
+    seed: HashSeed,
+) -> (Vec<LocalBlockHash>, Vec<SequenceHash>) {
+    let locals = local_block_hashes(tokens, block_size, seed);
+    let seqs = sequence_hashes(&locals);
+    (locals, seqs)
+}
+
+/// Runs `f` over the tokens as little-endian bytes, without copying on little-endian targets.
+#[inline]
+fn with_le_bytes<R>(tokens: &[u32], f: impl FnOnce(&[u8]) -> R) -> R {
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: u32 has no padding and u8 has alignment 1, so the token slice is a valid byte
+        // slice of 4x the length; on little-endian targets these bytes are exactly the LE form.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(tokens.as_ptr().cast::<u8>(), std::mem::size_of_val(tokens))
+        };
+        f(bytes)
+    }
+    #[cfg(not(target_endian = "little"))]
+    {
+        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        f(&bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn locals(tokens: &[u32], bs: usize, lora: Option<&str>, salt: Option<&str>) -> Vec<u64> {
+        local_block_hashes(tokens, bs, HashSeed::new(lora, salt))
+            .into_iter()
+            .map(|h| h.0)
+            .collect()
+    }
+
+    fn seqs(tokens: &[u32], bs: usize, lora: Option<&str>, salt: Option<&str>) -> Vec<u64> {
+        let (_, s) = prompt_hashes(tokens, bs, HashSeed::new(lora, salt));
+        s.into_iter().map(|h| h.0).collect()
+    }
+
+    #[test]
+    fn raw_xxh3_vector() {
+        assert_eq!(xxh3_64_with_seed(b"test data", 1337), 13226331709069118873);
+    }
+
+    #[test]
+    fn seed_vectors() {
+        assert_eq!(HashSeed::new(None, None).0, 1337);
+        assert_eq!(
+            HashSeed::new(Some("adapter-a"), None).0,
+            8842669519798868182
+        );
+        assert_eq!(HashSeed::new(None, Some("tenant-a")).0, 1948188790972764086);
+        assert_eq!(
+            HashSeed::new(Some("adapter-a"), Some("tenant-a")).0,
+            10790858310771630931
+        );
+        assert_eq!(HashSeed::new(Some("tenant-a"), None).0, 7159698576361520314);
+        assert_eq!(HashSeed::new(Some(""), Some("")), HashSeed::UNSALTED);
+    }
+
+    #[test]
+    fn single_block_vectors() {
+        let t = [0, 1, 2, 3];
+        assert_eq!(locals(&t, 4, None, None), [9143094415614847814]);
+        assert_eq!(seqs(&t, 4, None, None), [9143094415614847814]);
+        assert_eq!(
+            locals(&t, 4, Some("adapter-a"), None),
+            [6665157333201000639]
+        );
+        assert_eq!(
+            locals(&t, 4, None, Some("tenant-a")),
+            [17009624042690211646]
+        );
+        assert_eq!(
+            locals(&t, 4, Some("adapter-a"), Some("tenant-a")),
+            [8269515957840517240]
+        );
+        assert_eq!(locals(&t, 4, Some("tenant-a"), None), [582854293518545300]);
+        assert_eq!(locals(&t, 4, None, Some("")), [9143094415614847814]);
+        assert_eq!(locals(&t, 4, Some(""), None), [9143094415614847814]);
+    }
+
+    #[test]
+    fn chained_vectors_block_4() {
+        let t: Vec<u32> = (1..=8).collect();
+        assert_eq!(
+            locals(&t, 4, None, None),
+            [14643705804678351452, 16777012769546811212]
+        );
+        assert_eq!(
+            seqs(&t, 4, None, None),
+            [14643705804678351452, 4945711292740353085]
+        );
+        assert_eq!(
+            locals(&t, 4, None, Some("tenant-a")),
+            [5738685477468498325, 11202231085456067787]
+        );
+        assert_eq!(
+            seqs(&t, 4, None, Some("tenant-a")),
+            [5738685477468498325, 1076233986426276607]
+        );
+    }
+
+    #[test]
+    fn chained_vectors_block_16() {
+        let t: Vec<u32> = (1..=48).collect();
+        assert_eq!(
+            locals(&t, 16, None, None),
+            [
+                16863443419780771464,
+                2287610619914608821,
+                12129935312930971799
+            ]
+        );
+        assert_eq!(
+            seqs(&t, 16, None, None),
+            [
+                16863443419780771464,
+                12466389667045779788,
+                960926348267535642
+            ]
+        );
+        assert_eq!(
+            locals(&t, 16, None, Some("tenant-a")),
+            [
+                8175209796170318505,
+                13248293275458056256,
+                2876216365566391037
+            ]
+        );
+        assert_eq!(
+            seqs(&t, 16, None, Some("tenant-a")),
+            [
+                8175209796170318505,
+                1199464708288223189,
+                8909045955271374968
+            ]
+        );
+        assert_eq!(
+            locals(&t, 16, Some("lora-a"), None),
+            [
+                505115133176759089,
+                3289525268460731972,
+                12345990564547099292
+            ]
+        );
+        assert_eq!(
+            seqs(&t, 16, Some("lora-a"), None),
+            [505115133176759089, 9189390670180411066, 2091250518290727944]
+        );
+    }
+
+    #[test]
+    fn partial_tail_is_dropped() {
+        let t: Vec<u32> = (0..35).collect();
+        assert_eq!(
+            locals(&t, 16, None, None),
+            [15310707395893867146, 15292316782987903195]
+        );
+    }
+
+    #[test]
+    fn zero_block_size_gives_nothing() {
+        assert!(locals(&[1, 2, 3], 0, None, None).is_empty());
+        assert!(locals(&[], 16, None, None).is_empty());
+    }
+
+    #[test]
+    fn extending_a_prefix_equals_hashing_the_whole() {
+        let t: Vec<u32> = (0..64).collect();
+        let seed = HashSeed::new(None, Some("t"));
+        let all = prompt_hashes(&t, 16, seed).1;
+        let head = prompt_hashes(&t[..32], 16, seed).1;
+        let tail_locals = local_block_hashes(&t[32..], 16, seed);
+        let mut joined = head.clone();
+        extend_sequence(head.last().copied(), &tail_locals, &mut joined);
+        assert_eq!(all, joined);
+    }
+}

@@ -1,0 +1,609 @@
+//! The KV index of one model: which workers hold which prefixes, in which tier.
+//!
+//! Writes come from engine events (one writer per worker at a time, serialized by that worker's
+//! lock); queries come from every routing decision and take no lock at all (see [`holders`]).
+//!
+//! Data layout, per (worker, block):
+//! - the holder table: one 12-byte slot (prefix hash → worker slot + tiers);
+//! - the worker's own map: engine hash → prefix hash, namespace id, tiers (20 bytes).
+//!
+//! Namespaces: a sequence's first block is stored under the seed of the salt and adapter the
+//! caller decoded; a continuation inherits its parent's seed. A continuation whose parent this
+//! worker never reported gets the *unknown* namespace: kept (so removals and further
+//! continuations resolve) but never entered into the holder table, so it can never be credited to
+//! any tenant. Fail closed.
+//!
+//! Capacity (documented policy): `capacity` bounds the (worker, block) pairs of the model; a store
+//! beyond it is rejected and counted, because engines report their own evictions and the index
+//! only ever grows past the engines' real capacity when removals were lost. `max_blocks_per_worker`
+//! catches exactly that: a worker exceeding it has evidently lost removals, so its state is dropped
+//! whole (counted as evicted) and rebuilt from its next events.
+
+pub mod holders;
+pub mod worker_blocks;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use crossbeam_epoch::{self as epoch, Atomic, Owned};
+use parking_lot::Mutex;
+
+use crate::hashing::{HashSeed, SequenceHash, chain, hash_block};
+use crate::worker::WorkerId;
+use holders::{Holder, HolderTable, Inserted};
+use worker_blocks::{BlockEntry, UNKNOWN_NS, WorkerBlocks};
+pub use worker_blocks::{EngineBlockHash, ParentState};
+
+/// Where a worker keeps a block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Medium {
+    /// Accelerator memory: a hit costs nothing to reuse.
+    Device,
+    /// Any offload tier (CPU memory, local storage, remote store): reuse costs a transfer.
+    Offload,
+}
+
+impl Medium {
+    /// Maps an engine's medium string: `GPU` (or absent) is device; anything else is offload.
+    pub fn from_engine(medium: Option<&str>) -> Medium {
+        match medium {
+            None => Medium::Device,
+            Some(m) if m.eq_ignore_ascii_case("gpu") || m.eq_ignore_ascii_case("device") => {
+                Medium::Device
+            }
+            Some(_) => Medium::Offload,
+        }
+    }
+
+    fn bit(self) -> u8 {
+        match self {
+            Medium::Device => 0b01,
+            Medium::Offload => 0b10,
+        }
+    }
+}
+
+/// How many leading blocks of a prompt one worker holds contiguously.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Overlap {
+    /// The worker.
+    pub worker: WorkerId,
+    /// Leading blocks held in device memory.
+    pub device_blocks: u32,
+    /// Leading blocks held in any tier (device or offload); always ≥ `device_blocks`.
+    pub total_blocks: u32,
+}
+
+/// Limits of one model's index.
+#[derive(Clone, Copy, Debug)]
+pub struct IndexLimits {
+    /// Maximum (worker, block) pairs.
+    pub capacity: usize,
+    /// Maximum blocks one worker may hold before its state is considered corrupt and dropped.
+    pub max_blocks_per_worker: usize,
+}
+
+impl Default for IndexLimits {
+    fn default() -> Self {
+        IndexLimits {
+            capacity: 50_000_000,
+            max_blocks_per_worker: 4_000_000,
+        }
+    }
+}
+
+/// Counters of what the index did with its input.
+#[derive(Default, Debug)]
+pub struct IndexCounters {
+    /// Blocks newly stored (new engine hashes).
+    pub stored: AtomicU64,
+    /// Blocks removed.
+    pub removed: AtomicU64,
+    /// Removals naming an engine hash the worker never stored.
+    pub unknown_removals: AtomicU64,
+    /// Blocks stored under the unknown namespace (never credited).
+    pub unknown_namespace: AtomicU64,
+    /// Blocks rejected because the index was at capacity.
+    pub rejected_capacity: AtomicU64,
+    /// Blocks dropped because their worker exceeded its limit.
+    pub evicted: AtomicU64,
+    /// Store requests whose token count did not match their block count.
+    pub malformed: AtomicU64,
+}
+
+/// One event's new blocks, as a worker stored them.
+#[derive(Clone, Copy, Debug)]
+pub struct StoreBlocks<'a> {
+    /// The engine hash of the block before the first new one, or `None` when the first new block
+    /// starts a sequence.
+    pub parent: Option<EngineBlockHash>,
+    /// The namespace seed of a sequence start (salt and adapter from the event). Ignored for
+    /// continuations, which inherit their parent's.
+    pub root_seed: HashSeed,
+    /// The engine's hashes of the new blocks.
+    pub engine_hashes: &'a [EngineBlockHash],
+    /// The new blocks' tokens, exactly `engine_hashes.len() * block_size` of them.
+    pub tokens: &'a [u32],
+    /// Where the worker stored them.
+    pub medium: Medium,
+}
+
+/// What a store did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StoreOutcome {
+    /// Blocks newly indexed (or added to a new tier).
+    pub stored: usize,
+    /// Blocks kept under the unknown namespace.
+    pub unknown_namespace: usize,
+    /// Blocks rejected at capacity.
+    pub rejected: usize,
+    /// Whether the worker's whole state was dropped for exceeding its limit.
+    pub worker_reset: bool,
+}
+
+/// Errors of index writes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IndexError {
+    /// The worker is not registered with this model.
+    #[error("worker {0} is not registered")]
+    UnknownWorker(WorkerId),
+    /// Tokens do not cover the blocks exactly.
+    #[error("{tokens} tokens do not make {blocks} blocks of {block_size}")]
+    TokenCount {
+        /// Tokens given.
+        tokens: usize,
+        /// Blocks given.
+        blocks: usize,
+        /// The model's block size.
+        block_size: usize,
+    },
+}
+
+struct WorkerEntry {
+    id: WorkerId,
+    slot: u32,
+    blocks: Mutex<WorkerBlocks>,
+}
+
+/// Copy-on-write worker registry, read lock-free by queries.
+#[derive(Default, Clone)]
+struct Registry {
+    by_id: HashMap<WorkerId, Arc<WorkerEntry>>,
+    /// Slot → worker; slots are never reused, so a stale slot read by a query maps to `None`.
+    by_slot: Vec<Option<WorkerId>>,
+}
+
+/// The index of one model.
+pub struct KvIndex {
+    block_size: usize,
+    limits: IndexLimits,
+    holders: HolderTable,
+    registry: Atomic<Registry>,
+    registry_writer: Mutex<()>,
+    pairs: AtomicUsize,
+    counters: IndexCounters,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<QueryScratch> = std::cell::RefCell::new(QueryScratch::default());
+}
+
+#[derive(Default)]
+struct QueryScratch {
+    holders: Vec<Holder>,
+    /// Per slot: (position last seen + 1, device length, total length, alive bits).
+    state: Vec<SlotState>,
+    active: Vec<u32>,
+}
+
+#[derive(Clone, Copy, Default)]
+struct SlotState {
+    seen: u32,
+    device: u32,
+    total: u32,
+    alive: u8,
+}
+
+/// How far ahead the query prefetches holder slots.
+const PREFETCH_DISTANCE: usize = 8;
+
+impl KvIndex {
+    /// An empty index for a model with this block size.
+    pub fn new(block_size: usize, limits: IndexLimits) -> Self {
+        KvIndex {
+            block_size,
+            limits,
+            holders: HolderTable::new(),
+            registry: Atomic::new(Registry::default()),
+            registry_writer: Mutex::new(()),
+            pairs: AtomicUsize::new(0),
+            counters: IndexCounters::default(),
+        }
+    }
+
+    /// The model's block size in tokens.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Counters of the index's input.
+    pub fn counters(&self) -> &IndexCounters {
+        &self.counters
+    }
+
+    /// The number of (worker, block-in-tier-set) pairs in the holder table.
+    pub fn pairs(&self) -> usize {
+        self.pairs.load(Ordering::Relaxed)
+    }
+
+    fn with_registry<R>(&self, f: impl FnOnce(&Registry) -> R) -> R {
+        let guard = epoch::pin();
+        // SAFETY: the registry pointer is never null and replaced ones are deferred.
+        let reg = unsafe { self.registry.load(Ordering::Acquire, &guard).deref() };
+        f(reg)
+    }
+
+    fn update_registry(&self, f: impl FnOnce(&mut Registry)) {
+        let _w = self.registry_writer.lock();
+        let guard = epoch::pin();
+        // SAFETY: as in `with_registry`; we hold the writer lock, so nobody else replaces it.
+        let mut next = unsafe { self.registry.load(Ordering::Acquire, &guard).deref() }.clone();
+        f(&mut next);
+        let old = self
+            .registry
+            .swap(Owned::new(next), Ordering::AcqRel, &guard);
+        // SAFETY: unlinked above; pinned readers keep it alive until they unpin.
+        unsafe { guard.defer_destroy(old) };
+    }
+
+    fn entry(&self, worker: &WorkerId) -> Result<Arc<WorkerEntry>, IndexError> {
+        self.with_registry(|r| r.by_id.get(worker).cloned())
+            .ok_or(IndexError::UnknownWorker(*worker))
+    }
+
+    /// Registers a worker. Returns false if it was already registered.
+    pub fn add_worker(&self, id: WorkerId) -> bool {
+        let mut added = false;
+        self.update_registry(|r| {
+            if r.by_id.contains_key(&id) {
+                return;
+            }
+            let slot = r.by_slot.len() as u32;
+            r.by_slot.push(Some(id));
+            r.by_id.insert(
+                id,
+                Arc::new(WorkerEntry {
+                    id,
+                    slot,
+                    blocks: Mutex::new(WorkerBlocks::default()),
+                }),
+            );
+            added = true;
+        });
+        added
+    }
+
+    /// Removes a worker and all its blocks. Returns the number of blocks dropped.
+    pub fn remove_worker(&self, id: &WorkerId) -> usize {
+        let Ok(entry) = self.entry(id) else { return 0 };
+        self.update_registry(|r| {
+            r.by_id.remove(id);
+            if let Some(s) = r.by_slot.get_mut(entry.slot as usize) {
+                *s = None;
+            }
+        });
+        self.drop_blocks(&entry, &mut entry.blocks.lock())
+    }
+
+    /// The registered workers.
+    pub fn workers(&self) -> Vec<WorkerId> {
+        self.with_registry(|r| r.by_id.keys().copied().collect())
+    }
+
+    /// Drops every block of a worker (e.g. on `AllBlocksCleared` or a lost stream).
+    pub fn clear_worker(&self, id: &WorkerId) -> Result<usize, IndexError> {
+        let entry = self.entry(id)?;
+        let mut blocks = entry.blocks.lock();
+        Ok(self.drop_blocks(&entry, &mut blocks))
+    }
+
+    fn drop_blocks(&self, entry: &WorkerEntry, blocks: &mut WorkerBlocks) -> usize {
+        let drained = blocks.drain();
+        for e in &drained {
+            if e.ns() != UNKNOWN_NS && self.holders.remove(e.seq().0, entry.slot, 0b11).is_some() {
+                self.pairs.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        drained.len()
+    }
+
+    /// Blocks a worker holds (any tier, including unknown-namespace ones).
+    pub fn worker_blocks(&self, id: &WorkerId) -> Result<usize, IndexError> {
+        Ok(self.entry(id)?.blocks.lock().len())
+    }
+
+    /// How a continuation of `parent` on `worker` would be decoded.
+    pub fn parent_state(
+        &self,
+        worker: &WorkerId,
+        parent: EngineBlockHash,
+    ) -> Result<ParentState, IndexError> {
+        Ok(self.entry(worker)?.blocks.lock().parent(parent))
+    }
+
+    /// Applies one stored-blocks event of `worker`.
+    pub fn store(
+        &self,
+        worker: &WorkerId,
+        ev: &StoreBlocks<'_>,
+    ) -> Result<StoreOutcome, IndexError> {
+        let n = ev.engine_hashes.len();
+        if self.block_size == 0 || ev.tokens.len() != n * self.block_size {
+            self.counters.malformed.fetch_add(1, Ordering::Relaxed);
+            return Err(IndexError::TokenCount {
+                tokens: ev.tokens.len(),
+                blocks: n,
+                block_size: self.block_size,
+            });
+        }
+        let entry = self.entry(worker)?;
+        let mut blocks = entry.blocks.lock();
+        let mut out = StoreOutcome::default();
+        if blocks.len() + n > self.limits.max_blocks_per_worker {
+            let dropped = self.drop_blocks(&entry, &mut blocks);
+            self.counters
+                .evicted
+                .fetch_add(dropped as u64, Ordering::Relaxed);
+            out.worker_reset = true;
+            if ev.parent.is_some() {
+                // Its parent is gone with the rest: nothing of this event can be placed.
+                return Ok(out);
+            }
+        }
+        // Resolve the namespace and the prefix hash the first new block chains from.
+        let (seed, mut prev) = match ev.parent {
+            None => (Some(ev.root_seed), None),
+            Some(p) => match blocks.parent(p) {
+                ParentState::Known { seed, seq } => (Some(seed), Some(seq)),
+                ParentState::UnknownNamespace | ParentState::Missing => (None, None),
+            },
+        };
+        let ns = match seed {
+            Some(seed) => blocks.acquire_namespace(seed, n as u32),
+            None => UNKNOWN_NS,
+        };
+        let bit = ev.medium.bit();
+        for (i, &engine_hash) in ev.engine_hashes.iter().enumerate() {
+            let seq = seed.map(|seed| {
+                let local = hash_block(
+                    &ev.tokens[i * self.block_size..(i + 1) * self.block_size],
+                    seed,
+                );
+                match prev {
+                    None => SequenceHash(local.0),
+                    Some(p) => chain(p, local),
+                }
+            });
+            prev = seq;
+            if let Some(existing) = blocks.get_mut(engine_hash) {
+                // Same engine block again (another tier, or a replayed event): merge tiers.
+                let tiers = existing.tiers() | bit;
+                let changed = tiers != existing.tiers();
+                existing.set_tiers(tiers);
+                if changed && existing.ns() != UNKNOWN_NS {
+                    self.holders.insert(existing.seq().0, entry.slot, bit);
+                    out.stored += 1;
+                }
+                blocks.release_namespace(ns);
+                continue;
+            }
+            match seq {
+                Some(seq) => {
+                    if self.pairs.load(Ordering::Relaxed) >= self.limits.capacity {
+                        blocks.release_namespace(ns);
+                        out.rejected += 1;
+                        // The rest of this chain cannot be placed either.
+                        for _ in i + 1..n {
+                            blocks.release_namespace(ns);
+                        }
+                        out.rejected += n - i - 1;
+                        break;
+                    }
+                    if self.holders.insert(seq.0, entry.slot, bit) == Inserted::NewPair {
+                        self.pairs.fetch_add(1, Ordering::Relaxed);
+                    }
+                    blocks.insert(engine_hash, BlockEntry::new(seq, ns, bit));
+                    out.stored += 1;
+                }
+                None => {
+                    blocks.insert(
+                        engine_hash,
+                        BlockEntry::new(SequenceHash(0), UNKNOWN_NS, bit),
+                    );
+                    out.unknown_namespace += 1;
+                }
+            }
+        }
+        let c = &self.counters;
+        c.stored.fetch_add(out.stored as u64, Ordering::Relaxed);
+        c.unknown_namespace
+            .fetch_add(out.unknown_namespace as u64, Ordering::Relaxed);
+        c.rejected_capacity
+            .fetch_add(out.rejected as u64, Ordering::Relaxed);
+        Ok(out)
+    }
+
+    /// Applies one removed-blocks event of `worker`: the blocks leave `medium`, and are dropped
+    /// once they are in no tier. Returns how many engine hashes were known.
+    pub fn remove(
+        &self,
+        worker: &WorkerId,
+        engine_hashes: &[EngineBlockHash],
+        medium: Medium,
+    ) -> Result<usize, IndexError> {
+        let entry = self.entry(worker)?;
+        let mut blocks = entry.blocks.lock();
+        let bit = medium.bit();
+        let mut known = 0;
+        for &h in engine_hashes {
+            let Some(e) = blocks.get_mut(h) else {
+                self.counters
+                    .unknown_removals
+                    .fetch_add(1, Ordering::Relaxed);
+                continue;
+            };
+            known += 1;
+            if e.tiers() & bit == 0 {
+                continue;
+            }
+            let left = e.tiers() & !bit;
+            let (seq, ns) = (e.seq(), e.ns());
+            if left != 0 {
+                e.set_tiers(left);
+            } else {
+                blocks.remove(h);
+                self.counters.removed.fetch_add(1, Ordering::Relaxed);
+            }
+            if ns != UNKNOWN_NS && self.holders.remove(seq.0, entry.slot, bit) == Some(0) {
+                self.pairs.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        Ok(known)
+    }
+
+    /// For a prompt's prefix hashes, each worker's contiguous leading overlap. Workers with no
+    /// overlap are omitted. Cost: one holder lookup per block until no worker is left, with no
+    /// lock taken.
+    pub fn query(&self, seqs: &[SequenceHash]) -> Vec<Overlap> {
+        if seqs.is_empty() {
+            return Vec::new();
+        }
+        let guard = epoch::pin();
+        // SAFETY: see `with_registry`.
+        let registry = unsafe { self.registry.load(Ordering::Acquire, &guard).deref() };
+        SCRATCH.with(|scratch| {
+            let mut s = scratch.borrow_mut();
+            let QueryScratch {
+                holders,
+                state,
+                active,
+            } = &mut *s;
+            if state.len() < registry.by_slot.len() {
+                state.resize(registry.by_slot.len(), SlotState::default());
+            }
+            active.clear();
+            for seq in seqs.iter().take(PREFETCH_DISTANCE) {
+                self.holders.prefetch(seq.0, &guard);
+            }
+            let mut results = Vec::new();
+            for (pos, seq) in seqs.iter().enumerate() {
+                if let Some(ahead) = seqs.get(pos + PREFETCH_DISTANCE) {
+                    self.holders.prefetch(ahead.0, &guard);
+                }
+                holders.clear();
+                self.holders.lookup(seq.0, &guard, holders);
+                let mark = pos as u32 + 1;
+                for h in holders.iter() {
+                    let slot = h.slot() as usize;
+                    if slot >= state.len() {
+                        continue; // registered after this query began
+                    }
+                    let st = &mut state[slot];
+                    if pos == 0 {
+                        *st = SlotState {
+                            seen: mark,
+                            device: 0,
+                            total: 0,
+                            alive: 0b11,
+                        };
+                        active.push(slot as u32);
+                    } else if st.seen != pos as u32 {
+                        continue; // dropped out earlier (or never active)
+                    }
+                    st.seen = mark;
+                    if st.alive & 0b01 != 0 && h.tiers() & 0b01 != 0 {
+                        st.device += 1;
+                    } else {
+                        st.alive &= !0b01;
+                    }
+                    st.total += 1;
+                }
+                // Workers not seen at this position stop here.
+                active.retain(|&slot| {
+                    let st = &mut state[slot as usize];
+                    if st.seen == mark {
+                        return true;
+                    }
+                    if let Some(Some(worker)) = registry.by_slot.get(slot as usize) {
+                        results.push(Overlap {
+                            worker: *worker,
+                            device_blocks: st.device,
+                            total_blocks: st.total,
+                        });
+                    }
+                    st.seen = 0;
+                    false
+                });
+                if active.is_empty() {
+                    break;
+                }
+            }
+            for &slot in active.iter() {
+                let st = &mut state[slot as usize];
+                if let Some(Some(worker)) = registry.by_slot.get(slot as usize) {
+                    results.push(Overlap {
+                        worker: *worker,
+                        device_blocks: st.device,
+                        total_blocks: st.total,
+                    });
+                }
+                st.seen = 0;
+            }
+            results
+        })
+    }
+
+    /// Heap bytes of the index's tables (holder slots and worker maps), for memory accounting.
+    pub fn approx_heap_bytes(&self) -> usize {
+        let workers: usize =
+            self.with_registry(|r| r.by_id.values().map(|e| e.blocks.lock().heap_bytes()).sum());
+        self.holders.table_bytes() + workers
+    }
+
+    /// Visits every indexed block of every worker: (worker, engine hash, prefix hash or `None`
+    /// when the namespace is unknown, namespace seed, tiers). For digests and snapshots.
+    pub fn for_each_block(
+        &self,
+        mut f: impl FnMut(&WorkerId, EngineBlockHash, Option<SequenceHash>, Option<HashSeed>, u8),
+    ) {
+        let entries: Vec<Arc<WorkerEntry>> =
+            self.with_registry(|r| r.by_id.values().cloned().collect());
+        for entry in entries {
+            let blocks = entry.blocks.lock();
+            for (h, e) in blocks.entries() {
+                let seed = blocks.seed_of(e.ns());
+                let seq = seed.map(|_| e.seq());
+                f(&entry.id, h, seq, seed, e.tiers());
+            }
+        }
+    }
+}
+
+impl Drop for KvIndex {
+    fn drop(&mut self) {
+        // SAFETY: exclusive access; no reader can hold the registry any more.
+        unsafe {
+            let guard = epoch::unprotected();
+            let r = self
+                .registry
+                .swap(epoch::Shared::null(), Ordering::Relaxed, guard);
+            if !r.is_null() {
+                drop(r.into_owned());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,581 @@
+//! Index tests: examples, limits, isolation, and a property test against a naive model.
+
+use std::collections::HashMap;
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::hashing::{HashSeed, prompt_hashes};
+
+const BS: usize = 4;
+
+fn w(i: u8) -> WorkerId {
+    WorkerId::new(format!("10.0.0.{i}:8000").parse().unwrap())
+}
+
+fn seqs(tokens: &[u32], seed: HashSeed) -> Vec<SequenceHash> {
+    prompt_hashes(tokens, BS, seed).1
+}
+
+fn store(
+    idx: &KvIndex,
+    worker: WorkerId,
+    parent: Option<u64>,
+    seed: HashSeed,
+    hashes: &[u64],
+    tokens: &[u32],
+    medium: Medium,
+) -> StoreOutcome {
+    let hashes: Vec<_> = hashes.iter().map(|&h| EngineBlockHash(h)).collect();
+    idx.store(
+        &worker,
+        &StoreBlocks {
+            parent: parent.map(EngineBlockHash),
+            root_seed: seed,
+            engine_hashes: &hashes,
+            tokens,
+            medium,
+        },
+    )
+    .unwrap()
+}
+
+fn sorted(mut v: Vec<Overlap>) -> Vec<(WorkerId, u32, u32)> {
+    v.sort_by_key(|o| o.worker);
+    v.into_iter()
+        .map(|o| (o.worker, o.device_blocks, o.total_blocks))
+        .collect()
+}
+
+#[test]
+fn overlap_is_contiguous_leading_blocks_per_tier() {
+    let idx = KvIndex::new(BS, IndexLimits::default());
+    idx.add_worker(w(1));
+    idx.add_worker(w(2));
+    let t: Vec<u32> = (0..16).collect();
+    let s = HashSeed::UNSALTED;
+    store(&idx, w(1), None, s, &[1, 2], &t[..8], Medium::Device);
+    store(&idx, w(1), Some(2), s, &[3], &t[8..12], Medium::Offload);
+    store(&idx, w(2), None, s, &[11], &t[..4], Medium::Device);
+    let q = seqs(&t, s);
+    assert_eq!(sorted(idx.query(&q)), vec![(w(1), 2, 3), (w(2), 1, 1)]);
+    // A hole in the middle ends the overlap there.
+    idx.remove(&w(1), &[EngineBlockHash(2)], Medium::Device)
+        .unwrap();
+    assert_eq!(sorted(idx.query(&q)), vec![(w(1), 1, 1), (w(2), 1, 1)]);
+}
+
+#[test]
+fn salted_blocks_never_match_other_salts_or_unsalted() {
+    let idx = KvIndex::new(BS, IndexLimits::default());
+    idx.add_worker(w(1));
+    let t: Vec<u32> = (0..8).collect();
+    let a = HashSeed::new(None, Some("tenant-a"));
+    store(&idx, w(1), None, a, &[1, 2], &t, Medium::Device);
+    assert_eq!(sorted(idx.query(&seqs(&t, a))), vec![(w(1), 2, 2)]);
+    assert!(idx.query(&seqs(&t, HashSeed::UNSALTED)).is_empty());
+    assert!(
+        idx.query(&seqs(&t, HashSeed::new(None, Some("tenant-b"))))
+            .is_empty()
+    );
+    // A continuation inherits tenant-a's namespace even though it carries no salt.
+    let more: Vec<u32> = (8..12).collect();
+    store(
+        &idx,
+        w(1),
+        Some(2),
+        HashSeed::UNSALTED,
+        &[3],
+        &more,
+        Medium::Device,
+    );
+    let full: Vec<u32> = (0..12).collect();
+    assert_eq!(sorted(idx.query(&seqs(&full, a))), vec![(w(1), 3, 3)]);
+}
+
+#[test]
+fn unknown_parent_is_never_credited_and_its_children_stay_unknown() {
+    let idx = KvIndex::new(BS, IndexLimits::default());
+    idx.add_worker(w(1));
+    let t: Vec<u32> = (0..8).collect();
+    let out = store(
+        &idx,
+        w(1),
+        Some(999),
+        HashSeed::UNSALTED,
+        &[5],
+        &t[4..8],
+        Medium::Device,
+    );
+    assert_eq!(out.unknown_namespace, 1);
+    let out = store(
+        &idx,
+        w(1),
+        Some(5),
+        HashSeed::UNSALTED,
+        &[6],
+        &t[..4],
+        Medium::Device,
+    );
+    assert_eq!(out.unknown_namespace, 1);
+    assert_eq!(
+        idx.parent_state(&w(1), EngineBlockHash(6)).unwrap(),
+        ParentState::UnknownNamespace
+    );
+    assert!(idx.query(&seqs(&t, HashSeed::UNSALTED)).is_empty());
+    assert_eq!(idx.pairs(), 0);
+    // Removal of unknown-namespace blocks is clean.
+    assert_eq!(
+        idx.remove(
+            &w(1),
+            &[EngineBlockHash(5), EngineBlockHash(6)],
+            Medium::Device
+        )
+        .unwrap(),
+        2
+    );
+    assert_eq!(idx.worker_blocks(&w(1)).unwrap(), 0);
+}
+
+#[test]
+fn clear_and_remove_worker_drop_everything() {
+    let idx = KvIndex::new(BS, IndexLimits::default());
+    idx.add_worker(w(1));
+    idx.add_worker(w(2));
+    let t: Vec<u32> = (0..8).collect();
+    store(
+        &idx,
+        w(1),
+        None,
+        HashSeed::UNSALTED,
+        &[1, 2],
+        &t,
+        Medium::Device,
+    );
+    store(
+        &idx,
+        w(2),
+        None,
+        HashSeed::UNSALTED,
+        &[1, 2],
+        &t,
+        Medium::Device,
+    );
+    assert_eq!(idx.clear_worker(&w(1)).unwrap(), 2);
+    assert_eq!(
+        sorted(idx.query(&seqs(&t, HashSeed::UNSALTED))),
+        vec![(w(2), 2, 2)]
+    );
+    assert_eq!(idx.remove_worker(&w(2)), 2);
+    assert!(idx.query(&seqs(&t, HashSeed::UNSALTED)).is_empty());
+    assert_eq!(idx.pairs(), 0);
+    assert!(matches!(
+        idx.store(
+            &w(2),
+            &StoreBlocks {
+                parent: None,
+                root_seed: HashSeed::UNSALTED,
+                engine_hashes: &[EngineBlockHash(1)],
+                tokens: &t[..4],
+                medium: Medium::Device
+            }
+        ),
+        Err(IndexError::UnknownWorker(_))
+    ));
+}
+
+#[test]
+fn unknown_removals_and_bad_token_counts_are_counted() {
+    let idx = KvIndex::new(BS, IndexLimits::default());
+    idx.add_worker(w(1));
+    assert_eq!(
+        idx.remove(&w(1), &[EngineBlockHash(42)], Medium::Device)
+            .unwrap(),
+        0
+    );
+    assert_eq!(idx.counters().unknown_removals.load(Ordering::Relaxed), 1);
+    let err = idx
+        .store(
+            &w(1),
+            &StoreBlocks {
+                parent: None,
+                root_seed: HashSeed::UNSALTED,
+                engine_hashes: &[EngineBlockHash(1)],
+                tokens: &[1, 2, 3],
+                medium: Medium::Device,
+            },
+        )
+        .unwrap_err();
+    assert!(matches!(err, IndexError::TokenCount { .. }));
+    assert_eq!(idx.counters().malformed.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn capacity_rejects_and_worker_limit_resets() {
+    let idx = KvIndex::new(
+        BS,
+        IndexLimits {
+            capacity: 3,
+            max_blocks_per_worker: 5,
+        },
+    );
+    idx.add_worker(w(1));
+    idx.add_worker(w(2));
+    let t: Vec<u32> = (0..16).collect();
+    let out = store(
+        &idx,
+        w(1),
+        None,
+        HashSeed::UNSALTED,
+        &[1, 2, 3, 4],
+        &t,
+        Medium::Device,
+    );
+    assert_eq!((out.stored, out.rejected), (3, 1));
+    assert_eq!(idx.pairs(), 3);
+    // Worker 2 with a tiny limit of its own: exceeding it drops its state.
+    idx.clear_worker(&w(1)).unwrap();
+    let idx2 = KvIndex::new(
+        BS,
+        IndexLimits {
+            capacity: 100,
+            max_blocks_per_worker: 3,
+        },
+    );
+    idx2.add_worker(w(2));
+    store(
+        &idx2,
+        w(2),
+        None,
+        HashSeed::UNSALTED,
+        &[1, 2],
+        &t[..8],
+        Medium::Device,
+    );
+    let out = store(
+        &idx2,
+        w(2),
+        None,
+        HashSeed::UNSALTED,
+        &[7, 8],
+        &t[8..16],
+        Medium::Device,
+    );
+    assert!(out.worker_reset);
+    assert_eq!(idx2.worker_blocks(&w(2)).unwrap(), 2);
+    assert_eq!(idx2.counters().evicted.load(Ordering::Relaxed), 2);
+}
+
+#[test]
+fn tiers_are_tracked_per_block() {
+    let idx = KvIndex::new(BS, IndexLimits::default());
+    idx.add_worker(w(1));
+    let t: Vec<u32> = (0..8).collect();
+    let s = HashSeed::UNSALTED;
+    store(&idx, w(1), None, s, &[1, 2], &t, Medium::Device);
+    // Offloaded copies, then the device copy of block 1 is evicted.
+    store(&idx, w(1), None, s, &[1, 2], &t, Medium::Offload);
+    idx.remove(&w(1), &[EngineBlockHash(1)], Medium::Device)
+        .unwrap();
+    assert_eq!(sorted(idx.query(&seqs(&t, s))), vec![(w(1), 0, 2)]);
+    idx.remove(&w(1), &[EngineBlockHash(1)], Medium::Offload)
+        .unwrap();
+    assert!(idx.query(&seqs(&t, s)).is_empty());
+    assert_eq!(idx.worker_blocks(&w(1)).unwrap(), 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Property test: random operations against a deliberately naive model.
+
+#[derive(Clone, Debug)]
+enum Op {
+    /// Store `blocks` blocks on `worker`: `parent` picks an existing block of the worker (index
+    /// into its list), a fresh unknown hash, or none; tokens from a tiny alphabet so prefixes
+    /// collide across workers.
+    Store {
+        worker: u8,
+        tenant: u8,
+        parent: ParentPick,
+        tokens: Vec<u32>,
+        offload: bool,
+    },
+    Remove {
+        worker: u8,
+        picks: Vec<u16>,
+        offload: bool,
+    },
+    Clear {
+        worker: u8,
+    },
+    RemoveWorker {
+        worker: u8,
+    },
+    Query {
+        worker: u8,
+        pick: u16,
+        tenant: u8,
+        extra: Vec<u32>,
+    },
+}
+
+#[derive(Clone, Debug)]
+enum ParentPick {
+    None,
+    Existing(u16),
+    Unknown,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let tokens = prop::collection::vec(0u32..3, BS..=3 * BS).prop_map(|mut t| {
+        t.truncate(t.len() / BS * BS);
+        t
+    });
+    let parent = prop_oneof![
+        2 => Just(ParentPick::None),
+        5 => any::<u16>().prop_map(ParentPick::Existing),
+        1 => Just(ParentPick::Unknown),
+    ];
+    prop_oneof![
+        6 => (0u8..4, 0u8..3, parent, tokens, any::<bool>()).prop_map(|(worker, tenant, parent, tokens, offload)| Op::Store { worker, tenant, parent, tokens, offload }),
+        2 => (0u8..4, prop::collection::vec(any::<u16>(), 1..4), any::<bool>()).prop_map(|(worker, picks, offload)| Op::Remove { worker, picks, offload }),
+        1 => (0u8..4).prop_map(|worker| Op::Clear { worker }),
+        1 => (0u8..4).prop_map(|worker| Op::RemoveWorker { worker }),
+        4 => (0u8..4, any::<u16>(), 0u8..3, prop::collection::vec(0u32..3, 0..2 * BS)).prop_map(|(worker, pick, tenant, extra)| Op::Query { worker, pick, tenant, extra }),
+    ]
+}
+
+fn tenant_seed(t: u8) -> HashSeed {
+    match t {
+        0 => HashSeed::UNSALTED,
+        1 => HashSeed::new(None, Some("a")),
+        _ => HashSeed::new(None, Some("b")),
+    }
+}
+
+/// One block in the naive model: everything needed to rebuild its prompt.
+#[derive(Clone, Debug)]
+struct NaiveBlock {
+    parent: Option<u64>,
+    tokens: Vec<u32>,
+    /// `None`: unknown namespace.
+    seed: Option<HashSeed>,
+    device: bool,
+    offload: bool,
+}
+
+#[derive(Default)]
+struct Naive {
+    workers: HashMap<u8, HashMap<u64, NaiveBlock>>,
+}
+
+impl Naive {
+    /// Tokens and seed of the whole prefix ending at `h` (None if any ancestor is missing or
+    /// the namespace is unknown).
+    fn prefix(&self, worker: u8, h: u64) -> Option<(Vec<u32>, HashSeed)> {
+        let blocks = &self.workers[&worker];
+        let mut chain = vec![];
+        let mut cur = Some(h);
+        let mut seed = None;
+        while let Some(c) = cur {
+            let b = blocks.get(&c)?;
+            seed = Some(b.seed?);
+            chain.push(b.tokens.clone());
+            cur = b.parent;
+        }
+        chain.reverse();
+        Some((chain.concat(), seed?))
+    }
+
+    /// The set of prefixes (as sequence hashes) a worker holds, per tier.
+    fn held(&self, worker: u8) -> (Vec<SequenceHash>, Vec<SequenceHash>) {
+        let mut dev = vec![];
+        let mut any = vec![];
+        for (h, b) in &self.workers[&worker] {
+            if b.seed.is_none() {
+                continue;
+            }
+            // The index computes a block's prefix hash when it is stored; in this model engine
+            // hashes are content hashes, so an entry's ancestors are always its real ancestors.
+            let Some((tokens, seed)) = self.prefix(worker, *h) else {
+                continue;
+            };
+            let s = *seqs(&tokens, seed).last().unwrap();
+            if b.device {
+                dev.push(s);
+            }
+            any.push(s);
+        }
+        (dev, any)
+    }
+
+    fn query(&self, q: &[SequenceHash]) -> Vec<(WorkerId, u32, u32)> {
+        let mut out = vec![];
+        let mut ids: Vec<_> = self.workers.keys().copied().collect();
+        ids.sort();
+        for wk in ids {
+            let (dev, any) = self.held(wk);
+            let run = |set: &Vec<SequenceHash>| q.iter().take_while(|s| set.contains(s)).count();
+            let (d, t) = (run(&dev), run(&any));
+            if t > 0 {
+                out.push((w(wk), d.min(t) as u32, t as u32));
+            }
+        }
+        out.sort_by_key(|o| o.0);
+        out
+    }
+}
+
+/// Engine hashes are content hashes of (parent, tokens, namespace), like vLLM's.
+fn engine_hash(parent: Option<u64>, tokens: &[u32], tenant: u8) -> u64 {
+    let mut bytes = parent.unwrap_or(0).to_le_bytes().to_vec();
+    bytes.push(tenant);
+    for t in tokens {
+        bytes.extend_from_slice(&t.to_le_bytes());
+    }
+    xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, 7) | 1
+}
+
+fn run_ops(ops: Vec<Op>) -> Result<(), TestCaseError> {
+    let idx = KvIndex::new(BS, IndexLimits::default());
+    let mut naive = Naive::default();
+    for i in 0..4u8 {
+        idx.add_worker(w(i));
+        naive.workers.insert(i, HashMap::new());
+    }
+    for op in ops {
+        match op {
+            Op::Store {
+                worker,
+                tenant,
+                parent,
+                tokens,
+                offload,
+            } => {
+                let blocks = naive.workers.get_mut(&worker).unwrap();
+                let mut keys: Vec<u64> = blocks.keys().copied().collect();
+                keys.sort();
+                let parent = match parent {
+                    ParentPick::None => None,
+                    ParentPick::Existing(i) if !keys.is_empty() => {
+                        Some(keys[i as usize % keys.len()])
+                    }
+                    ParentPick::Existing(_) => None,
+                    ParentPick::Unknown => Some(0xdead_0000 | u64::from(tenant)),
+                };
+                // The namespace a real engine would give: the parent's, else the request's.
+                let (seed, eng_tenant) = match parent {
+                    None => (Some(tenant_seed(tenant)), tenant),
+                    Some(p) => match blocks.get(&p) {
+                        Some(b) => (b.seed, tenant),
+                        None => (None, tenant),
+                    },
+                };
+                let mut prev = parent;
+                let mut hashes = vec![];
+                for chunk in tokens.chunks(BS) {
+                    let h = engine_hash(prev, chunk, eng_tenant);
+                    hashes.push(h);
+                    let e = blocks.entry(h).or_insert(NaiveBlock {
+                        parent: prev,
+                        tokens: chunk.to_vec(),
+                        seed,
+                        device: false,
+                        offload: false,
+                    });
+                    if offload {
+                        e.offload = true;
+                    } else {
+                        e.device = true;
+                    }
+                    prev = Some(h);
+                }
+                let medium = if offload {
+                    Medium::Offload
+                } else {
+                    Medium::Device
+                };
+                store(
+                    &idx,
+                    w(worker),
+                    parent,
+                    tenant_seed(tenant),
+                    &hashes,
+                    &tokens,
+                    medium,
+                );
+            }
+            Op::Remove {
+                worker,
+                picks,
+                offload,
+            } => {
+                let blocks = naive.workers.get_mut(&worker).unwrap();
+                let mut keys: Vec<u64> = blocks.keys().copied().collect();
+                keys.sort();
+                let mut hashes = vec![];
+                for p in picks {
+                    let h = if keys.is_empty() || p % 7 == 0 {
+                        u64::from(p) << 1 // almost surely unknown
+                    } else {
+                        keys[p as usize % keys.len()]
+                    };
+                    hashes.push(EngineBlockHash(h));
+                    if let Some(b) = blocks.get_mut(&h) {
+                        if offload {
+                            b.offload = false;
+                        } else {
+                            b.device = false;
+                        }
+                        if !b.device && !b.offload {
+                            blocks.remove(&h);
+                        }
+                    }
+                }
+                let medium = if offload {
+                    Medium::Offload
+                } else {
+                    Medium::Device
+                };
+                idx.remove(&w(worker), &hashes, medium).unwrap();
+            }
+            Op::Clear { worker } => {
+                naive.workers.get_mut(&worker).unwrap().clear();
+                idx.clear_worker(&w(worker)).unwrap();
+            }
+            Op::RemoveWorker { worker } => {
+                naive.workers.get_mut(&worker).unwrap().clear();
+                idx.remove_worker(&w(worker));
+                idx.add_worker(w(worker));
+            }
+            Op::Query {
+                worker,
+                pick,
+                tenant,
+                extra,
+            } => {
+                let blocks = &naive.workers[&worker];
+                let mut keys: Vec<u64> = blocks.keys().copied().collect();
+                keys.sort();
+                let (mut tokens, seed) = match keys.get(pick as usize % keys.len().max(1)) {
+                    Some(&h) => naive
+                        .prefix(worker, h)
+                        .unwrap_or((vec![], tenant_seed(tenant))),
+                    None => (vec![], tenant_seed(tenant)),
+                };
+                let seed = if tenant == 2 { tenant_seed(2) } else { seed };
+                tokens.extend(extra);
+                let q = seqs(&tokens, seed);
+                prop_assert_eq!(sorted(idx.query(&q)), naive.query(&q));
+            }
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+    #[test]
+    fn index_matches_naive_model(ops in prop::collection::vec(op(), 1..60)) {
+        run_ops(ops)?;
+    }
+}

@@ -1,0 +1,40 @@
+//! The `kv-epp` binary: one command-line entry point with subcommands.
+
+mod cli;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Envoy ext_proc endpoint picker with tenant-isolated KV-cache-aware routing.
+#[derive(Parser, Debug)]
+#[command(name = "kv-epp", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Print the local and sequence block hashes of a JSON token array read on stdin.
+    Hash(cli::hash::HashArgs),
+    /// Route a multi-tenant workload with kv-epp and with round-robin and compare.
+    Demo(cli::demo::DemoArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Hash(args) => cli::hash::run(&args, std::io::stdin().lock()).map(|out| {
+            println!("{out}");
+        }),
+        Command::Demo(args) => cli::demo::run(&args).map(|out| print!("{out}")),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kv-epp: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

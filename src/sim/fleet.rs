@@ -1,0 +1,327 @@
+//! An in-process fleet simulation: simulated engines (vLLM-like prefix caches with the latency
+//! model) fed by a routing policy, in simulated time. Used by `kv-epp demo --in-process` and by the
+//! routing benchmarks; the network demo drives real `sim-worker` processes instead.
+//!
+//! kv-epp's side is real: the KV index is fed only from the engines' own events (the same event
+//! stream a `sim-worker` publishes), and the policy picks through the production scorer.
+//!
+//! Each engine runs one prefill at a time (FIFO) and decodes in parallel; a request's blocks stay
+//! referenced until its last token.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+
+use crate::hashing::{HashSeed, prompt_hashes};
+use crate::index::{EngineBlockHash, IndexLimits, KvIndex, Medium, StoreBlocks};
+use crate::scoring::{Candidate, ScoringConfig, pick};
+use crate::sim::latency::LatencyModel;
+use crate::sim::prefix_cache::{CacheEvent, CacheRequest, EngineDigest, ExtraKey, PrefixCache};
+use crate::worker::WorkerId;
+use crate::workload::WorkloadRequest;
+
+/// How requests are assigned to engines.
+#[derive(Clone, Debug)]
+pub enum Policy {
+    /// kv-epp: index query + scorer.
+    KvAware(ScoringConfig),
+    /// Round-robin, the baseline.
+    RoundRobin,
+}
+
+/// Fleet shape.
+#[derive(Clone, Debug)]
+pub struct FleetSpec {
+    /// Engines.
+    pub workers: usize,
+    /// Blocks per engine.
+    pub num_blocks: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Latency model.
+    pub latency: LatencyModel,
+}
+
+/// Per-tenant results.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TenantStats {
+    /// Requests served.
+    pub requests: usize,
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Prompt tokens served from an engine's cache.
+    pub cached_tokens: u64,
+    /// Time to first token of each request, microseconds.
+    pub ttft_us: Vec<u64>,
+}
+
+impl TenantStats {
+    /// Cached share of prompt tokens.
+    pub fn hit_rate(&self) -> f64 {
+        if self.prompt_tokens == 0 {
+            0.0
+        } else {
+            self.cached_tokens as f64 / self.prompt_tokens as f64
+        }
+    }
+
+    /// Mean TTFT in milliseconds.
+    pub fn mean_ttft_ms(&self) -> f64 {
+        if self.ttft_us.is_empty() {
+            return 0.0;
+        }
+        self.ttft_us.iter().sum::<u64>() as f64 / self.ttft_us.len() as f64 / 1000.0
+    }
+
+    /// 90th percentile TTFT in milliseconds (nearest rank).
+    pub fn p90_ttft_ms(&self) -> f64 {
+        percentile(&self.ttft_us, 0.90) as f64 / 1000.0
+    }
+}
+
+/// Nearest-rank percentile of unsorted samples.
+pub fn percentile(samples: &[u64], q: f64) -> u64 {
+    if samples.is_empty() {
+        return 0;
+    }
+    let mut v = samples.to_vec();
+    v.sort_unstable();
+    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    v[rank - 1]
+}
+
+/// Results of one simulated run.
+#[derive(Clone, Debug, Default)]
+pub struct FleetReport {
+    /// By tenant name ("" for unsalted).
+    pub tenants: std::collections::BTreeMap<String, TenantStats>,
+    /// Cache-hit blocks whose block had been stored by another tenant's request (must be 0).
+    pub cross_tenant_hit_blocks: u64,
+    /// All cache-hit blocks.
+    pub hit_blocks: u64,
+    /// Decisions where the index credited more device blocks than the chosen engine then had.
+    pub overcredited_decisions: u64,
+    /// Requests the engines could not admit (out of blocks).
+    pub rejected: usize,
+}
+
+impl FleetReport {
+    /// All tenants together.
+    pub fn total(&self) -> TenantStats {
+        let mut t = TenantStats::default();
+        for s in self.tenants.values() {
+            t.requests += s.requests;
+            t.prompt_tokens += s.prompt_tokens;
+            t.cached_tokens += s.cached_tokens;
+            t.ttft_us.extend_from_slice(&s.ttft_us);
+        }
+        t
+    }
+}
+
+struct Engine {
+    cache: PrefixCache,
+    /// Simulated time at which the prefill queue drains.
+    prefill_free_at: u64,
+    inflight: u32,
+    /// Which tenant stored each block (to check isolation from the outside).
+    stored_by: HashMap<EngineDigest, Option<String>>,
+}
+
+/// Runs `requests` through a simulated fleet under `policy`.
+pub fn simulate(spec: &FleetSpec, policy: &Policy, requests: &[WorkloadRequest]) -> FleetReport {
+    let ids: Vec<WorkerId> = (0..spec.workers)
+        .map(|i| WorkerId::new(format!("127.0.0.1:{}", 20000 + i).parse().expect("addr")))
+        .collect();
+    let mut engines: Vec<Engine> = (0..spec.workers)
+        .map(|_| Engine {
+            cache: PrefixCache::new(spec.num_blocks, spec.block_size),
+            prefill_free_at: 0,
+            inflight: 0,
+            stored_by: HashMap::new(),
+        })
+        .collect();
+    let index = KvIndex::new(spec.block_size, IndexLimits::default());
+    for id in &ids {
+        index.add_worker(*id);
+    }
+    let mut rng = SmallRng::seed_from_u64(1);
+    let mut report = FleetReport::default();
+    // (finish time, engine, blocks) of running requests.
+    let mut running: BinaryHeap<Reverse<(u64, usize, Vec<u32>)>> = BinaryHeap::new();
+    let mut rr = 0usize;
+    for req in requests {
+        let now = req.at_ms * 1000;
+        while let Some(Reverse((t, _, _))) = running.peek() {
+            if *t > now {
+                break;
+            }
+            let Reverse((_, e, blocks)) = running.pop().expect("peeked");
+            engines[e].cache.release(&blocks);
+            engines[e].inflight -= 1;
+        }
+        let salt = req.tenant.as_deref();
+        let (chosen, credited) = match policy {
+            Policy::RoundRobin => {
+                rr = (rr + 1) % spec.workers;
+                (rr, 0)
+            }
+            Policy::KvAware(cfg) => {
+                let seed = HashSeed::new(None, salt);
+                let (_, seqs) = prompt_hashes(&req.tokens, spec.block_size, seed);
+                let overlaps = index.query(&seqs);
+                let cands: Vec<Candidate> = ids
+                    .iter()
+                    .enumerate()
+                    .map(|(i, id)| {
+                        let o = overlaps.iter().find(|o| o.worker == *id);
+                        Candidate {
+                            device_blocks: o.map_or(0, |o| o.device_blocks),
+                            total_blocks: o.map_or(0, |o| o.total_blocks),
+                            inflight: engines[i].inflight,
+                            ..Candidate::idle(*id)
+                        }
+                    })
+                    .collect();
+                let key = seqs.first().map_or(0, |s| s.0);
+                match pick(&cands, seqs.len() as u32, key, cfg, &mut rng) {
+                    Ok(d) => {
+                        let i = ids
+                            .iter()
+                            .position(|w| *w == d.primary.candidate.worker)
+                            .expect("picked a candidate");
+                        (i, d.primary.candidate.device_blocks)
+                    }
+                    Err(_) => (0, 0),
+                }
+            }
+        };
+        let engine = &mut engines[chosen];
+        let creq = CacheRequest {
+            tokens: &req.tokens,
+            salt,
+            lora_name: None,
+        };
+        let hit_digests = engine.cache.digests_of(&creq);
+        let Ok(adm) = engine.cache.admit(&creq) else {
+            report.rejected += 1;
+            continue;
+        };
+        let hit_blocks = adm.cached_tokens / spec.block_size;
+        if credited as usize > hit_blocks {
+            report.overcredited_decisions += 1;
+        }
+        report.hit_blocks += hit_blocks as u64;
+        for d in &hit_digests[..hit_blocks] {
+            if engine
+                .stored_by
+                .get(d)
+                .is_some_and(|t| t.as_deref() != salt)
+            {
+                report.cross_tenant_hit_blocks += 1;
+            }
+        }
+        for ev in engine.cache.take_events() {
+            if let CacheEvent::Stored { hashes, .. } = &ev {
+                for h in hashes {
+                    engine.stored_by.insert(*h, req.tenant.clone());
+                }
+            }
+            apply_event(&index, &ids[chosen], &ev);
+        }
+        let start = now.max(engine.prefill_free_at);
+        let first_token = start
+            + spec
+                .latency
+                .prefill_us(req.tokens.len() - adm.cached_tokens);
+        engine.prefill_free_at = first_token;
+        engine.inflight += 1;
+        let done = first_token + spec.latency.decode_us(req.output_tokens);
+        running.push(Reverse((done, chosen, adm.blocks)));
+        let stats = report
+            .tenants
+            .entry(req.tenant.clone().unwrap_or_default())
+            .or_default();
+        stats.requests += 1;
+        stats.prompt_tokens += req.tokens.len() as u64;
+        stats.cached_tokens += adm.cached_tokens as u64;
+        stats.ttft_us.push(first_token - now);
+    }
+    report
+}
+
+/// Applies one engine event to the index the way the event decoder does: the salt is the
+/// first block's last string extra key that is not the LoRA name.
+pub fn apply_event(index: &KvIndex, worker: &WorkerId, ev: &CacheEvent) {
+    match ev {
+        CacheEvent::Stored {
+            parent,
+            hashes,
+            tokens,
+            extra_keys,
+            lora_name,
+        } => {
+            let salt = extra_keys.first().and_then(|keys| {
+                keys.iter().rev().find_map(|k| match k {
+                    ExtraKey::Str(s) if Some(s) != lora_name.as_ref() => Some(s.as_str()),
+                    ExtraKey::Str(_) => None,
+                })
+            });
+            let engine: Vec<EngineBlockHash> =
+                hashes.iter().map(|h| EngineBlockHash(h.as_u64())).collect();
+            // Ignoring the result: a worker that was removed meanwhile has nothing to update.
+            let _ = index.store(
+                worker,
+                &StoreBlocks {
+                    parent: parent.map(|p| EngineBlockHash(p.as_u64())),
+                    root_seed: HashSeed::new(lora_name.as_deref(), salt),
+                    engine_hashes: &engine,
+                    tokens,
+                    medium: Medium::Device,
+                },
+            );
+        }
+        CacheEvent::Removed { hashes } => {
+            let engine: Vec<EngineBlockHash> =
+                hashes.iter().map(|h| EngineBlockHash(h.as_u64())).collect();
+            let _ = index.remove(worker, &engine, Medium::Device);
+        }
+        CacheEvent::Cleared => {
+            let _ = index.clear_worker(worker);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::workload::{GeneratorSpec, generate};
+
+    #[test]
+    fn kv_aware_beats_round_robin_and_keeps_tenants_apart() {
+        let spec = FleetSpec {
+            workers: 4,
+            num_blocks: 2048,
+            block_size: 16,
+            latency: LatencyModel::default(),
+        };
+        let work = generate(&GeneratorSpec {
+            sessions_per_tenant: 4,
+            ..GeneratorSpec::default()
+        });
+        let kv = simulate(&spec, &Policy::KvAware(ScoringConfig::default()), &work);
+        let rr = simulate(&spec, &Policy::RoundRobin, &work);
+        assert_eq!(kv.total().requests, work.len());
+        assert!(
+            kv.total().hit_rate() > rr.total().hit_rate() + 0.1,
+            "kv {} rr {}",
+            kv.total().hit_rate(),
+            rr.total().hit_rate()
+        );
+        assert_eq!(kv.cross_tenant_hit_blocks, 0);
+        assert_eq!(kv.overcredited_decisions, 0);
+        assert!(kv.hit_blocks > 0);
+    }
+}

@@ -2,6 +2,7 @@
 //! cache already holds the longest prefix of the prompt, weighed against load, with tenants
 //! isolated by their cache salt. See `ARCHITECTURE.md` for the code map.
 
+pub mod config;
 pub mod fingerprint;
 pub mod hashing;
 pub mod index;

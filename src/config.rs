@@ -1,0 +1,397 @@
+//! Configuration: one typed YAML file, loaded once at start, overridden by command-line flags, and
+//! validated with messages that name the offending field. Nothing else reads the environment.
+//!
+//! The format is documented in the README; `deploy/examples/kv-epp.yaml` is a complete example.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::index::IndexLimits;
+use crate::salt::{SaltPolicy, SaltSource};
+use crate::scoring::ScoringConfig;
+use crate::worker::WorkerId;
+
+/// The whole configuration.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Listeners.
+    pub server: ServerConfig,
+    /// The InferencePool this picker serves (names only; discovery comes from Kubernetes).
+    pub pool: PoolConfig,
+    /// Request handling limits and protocol options.
+    pub routing: RoutingConfig,
+    /// Cost function.
+    pub scoring: ScoringConfig,
+    /// Where salts may come from.
+    pub salt: SaltConfig,
+    /// KV index limits.
+    pub index: IndexConfig,
+    /// Served models.
+    pub models: Vec<ModelConfig>,
+    /// Statically configured workers.
+    pub workers: Vec<StaticWorker>,
+}
+
+/// Listener settings. Ports follow the reference picker's conventions.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// Address every listener binds.
+    pub bind_address: IpAddr,
+    /// ext_proc gRPC port.
+    pub grpc_port: u16,
+    /// gRPC health port.
+    pub grpc_health_port: u16,
+    /// Prometheus metrics port.
+    pub metrics_port: u16,
+    /// Serve TLS on the ext_proc port.
+    pub secure_serving: bool,
+    /// Directory with `tls.crt` and `tls.key`; a self-signed certificate is generated when unset.
+    pub cert_path: Option<PathBuf>,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            bind_address: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            grpc_port: 9002,
+            grpc_health_port: 9003,
+            metrics_port: 9090,
+            secure_serving: false,
+            cert_path: None,
+        }
+    }
+}
+
+/// Pool identity.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PoolConfig {
+    /// InferencePool name.
+    pub name: String,
+    /// InferencePool namespace.
+    pub namespace: String,
+}
+
+/// What to do with a request for a model that is not configured.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnknownModel {
+    /// Route on load alone among every ready worker.
+    #[default]
+    LoadOnly,
+    /// Answer 404 with a JSON error.
+    Reject,
+}
+
+/// Request handling.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RoutingConfig {
+    /// Largest request body accepted (413 above).
+    pub max_body_bytes: usize,
+    /// Requests in flight per worker before it counts as saturated (0 = unlimited).
+    pub max_inflight_per_worker: u32,
+    /// `Retry-After` seconds sent with 429.
+    pub retry_after_seconds: u32,
+    /// Fallback endpoints listed after the primary (0 = none). Core Envoy's ORIGINAL_DST cluster
+    /// rejects lists, so leave this 0 unless the gateway understands them.
+    pub fallbacks: usize,
+    /// What to do with unknown models.
+    pub unknown_model: UnknownModel,
+    /// Honour the GIE conformance headers (`test-epp-endpoint-selection`, served-endpoint echo).
+    pub conformance_hooks: bool,
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        RoutingConfig {
+            max_body_bytes: 16 << 20,
+            max_inflight_per_worker: 0,
+            retry_after_seconds: 1,
+            fallbacks: 0,
+            unknown_model: UnknownModel::LoadOnly,
+            conformance_hooks: false,
+        }
+    }
+}
+
+/// Salt sources, requirement, and the fingerprint key.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SaltConfig {
+    /// Trusted sources, any of `header`, `nvext`, `body` (precedence is always in that order).
+    pub sources: Vec<SaltSource>,
+    /// Reject (400) requests without a salt from a trusted source.
+    pub required: bool,
+    /// Key for salt fingerprints in logs and metrics; set the same value on every replica to make
+    /// fingerprints comparable. Random per process when unset.
+    pub fingerprint_key: Option<String>,
+}
+
+impl Default for SaltConfig {
+    fn default() -> Self {
+        let p = SaltPolicy::default();
+        SaltConfig {
+            sources: p.sources,
+            required: p.required,
+            fingerprint_key: None,
+        }
+    }
+}
+
+impl SaltConfig {
+    /// The resolver's policy.
+    pub fn policy(&self) -> SaltPolicy {
+        SaltPolicy {
+            sources: self.sources.clone(),
+            required: self.required,
+        }
+    }
+}
+
+/// Index limits.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct IndexConfig {
+    /// Maximum (worker, block) pairs per model.
+    pub capacity: usize,
+    /// Maximum blocks one worker may hold before its state is dropped.
+    pub max_blocks_per_worker: usize,
+}
+
+impl Default for IndexConfig {
+    fn default() -> Self {
+        let d = IndexLimits::default();
+        IndexConfig {
+            capacity: d.capacity,
+            max_blocks_per_worker: d.max_blocks_per_worker,
+        }
+    }
+}
+
+impl IndexConfig {
+    /// As index limits.
+    pub fn limits(&self) -> IndexLimits {
+        IndexLimits {
+            capacity: self.capacity,
+            max_blocks_per_worker: self.max_blocks_per_worker,
+        }
+    }
+}
+
+/// One served model.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// The name clients put in `model`.
+    pub name: String,
+    /// The engine's KV block size in tokens.
+    pub block_size: usize,
+    /// LoRA adapters served on this base model (clients may name them in `model`).
+    #[serde(default)]
+    pub lora_adapters: Vec<String>,
+}
+
+/// A statically configured worker.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StaticWorker {
+    /// `ip:port` Envoy sends traffic to.
+    pub endpoint: SocketAddr,
+    /// The model it serves.
+    pub model: String,
+    /// Data-parallel rank behind the endpoint.
+    #[serde(default)]
+    pub dp_rank: u32,
+}
+
+impl StaticWorker {
+    /// The worker's id.
+    pub fn id(&self) -> WorkerId {
+        WorkerId::with_rank(self.endpoint, self.dp_rank)
+    }
+}
+
+/// Why a configuration was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The path.
+        path: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The file is not valid YAML for this schema.
+    #[error("config file {path}: {message}")]
+    Parse {
+        /// The path.
+        path: String,
+        /// serde's message (names the field and position).
+        message: String,
+    },
+    /// A value is out of range or inconsistent.
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+impl Config {
+    /// Reads and parses a YAML file (not yet validated).
+    pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_yaml(&text).map_err(|e| match e {
+            ConfigError::Parse { message, .. } => ConfigError::Parse {
+                path: path.display().to_string(),
+                message,
+            },
+            other => other,
+        })
+    }
+
+    /// Parses YAML text (not yet validated).
+    pub fn from_yaml(text: &str) -> Result<Config, ConfigError> {
+        serde_yaml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: "<inline>".into(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Checks every value; the error names the field.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        let s = &self.server;
+        let ports = [
+            ("server.grpc_port", s.grpc_port),
+            ("server.grpc_health_port", s.grpc_health_port),
+            ("server.metrics_port", s.metrics_port),
+        ];
+        for (i, (a, pa)) in ports.iter().enumerate() {
+            for (b, pb) in &ports[i + 1..] {
+                if pa == pb && *pa != 0 {
+                    return bad(format!("{a} and {b} are both {pa}"));
+                }
+            }
+        }
+        if s.cert_path.is_some() && !s.secure_serving {
+            return bad("server.cert_path is set but server.secure_serving is false".into());
+        }
+        if self.routing.max_body_bytes == 0 {
+            return bad("routing.max_body_bytes must be > 0".into());
+        }
+        self.scoring.validate().map_err(ConfigError::Invalid)?;
+        if self.salt.sources.is_empty() && self.salt.required {
+            return bad("salt.required is true but salt.sources is empty".into());
+        }
+        if self.index.capacity == 0 || self.index.max_blocks_per_worker == 0 {
+            return bad("index.capacity and index.max_blocks_per_worker must be > 0".into());
+        }
+        let mut names = std::collections::HashSet::new();
+        for (i, m) in self.models.iter().enumerate() {
+            if m.name.is_empty() {
+                return bad(format!("models[{i}].name is empty"));
+            }
+            if m.block_size == 0 {
+                return bad(format!("models[{i}].block_size must be > 0"));
+            }
+            for name in std::iter::once(&m.name).chain(&m.lora_adapters) {
+                if !names.insert(name.as_str()) {
+                    return bad(format!(
+                        "models[{i}]: name `{name}` is configured twice (models and LoRA adapters share one namespace)"
+                    ));
+                }
+            }
+        }
+        let mut seen = std::collections::HashSet::new();
+        for (i, w) in self.workers.iter().enumerate() {
+            if !self.models.iter().any(|m| m.name == w.model) {
+                return bad(format!(
+                    "workers[{i}].model `{}` is not one of models[].name",
+                    w.model
+                ));
+            }
+            if !seen.insert(w.id()) {
+                return bad(format!("workers[{i}]: {} is listed twice", w.id()));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EXAMPLE: &str = include_str!("../deploy/examples/kv-epp.yaml");
+
+    #[test]
+    fn example_file_parses_and_validates() {
+        let c = Config::from_yaml(EXAMPLE).unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.server.grpc_port, 9002);
+        assert!(!c.models.is_empty() && !c.workers.is_empty());
+    }
+
+    #[test]
+    fn defaults_follow_the_reference_ports() {
+        let c = Config::from_yaml("{}").unwrap();
+        assert_eq!(
+            (
+                c.server.grpc_port,
+                c.server.grpc_health_port,
+                c.server.metrics_port
+            ),
+            (9002, 9003, 9090)
+        );
+        assert_eq!(c.routing.fallbacks, 0);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let e = Config::from_yaml("routing: {max_body_byts: 3}").unwrap_err();
+        assert!(e.to_string().contains("max_body_byts"), "{e}");
+        let c = Config::from_yaml(
+            "models: [{name: m, block_size: 16}]\nworkers: [{endpoint: '10.0.0.1:8000', model: x}]",
+        )
+        .unwrap();
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("workers[0].model")
+        );
+        let c = Config::from_yaml("models: [{name: m, block_size: 0}]").unwrap();
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("models[0].block_size")
+        );
+        let c = Config::from_yaml("scoring: {offload_credit: 3}").unwrap();
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("offload_credit")
+        );
+        let c = Config::from_yaml("server: {grpc_port: 9090}").unwrap();
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("server.grpc_port")
+        );
+        let c = Config::from_yaml("salt: {sources: [header], required: true, fingerprint_key: k}")
+            .unwrap();
+        c.validate().unwrap();
+        assert!(c.salt.required);
+        assert!(Config::from_yaml("salt: {sources: [cookie]}").is_err());
+    }
+}

@@ -3,11 +3,16 @@
 //! isolated by their cache salt. See `ARCHITECTURE.md` for the code map.
 
 pub mod config;
+pub mod extproc;
 pub mod fingerprint;
 pub mod hashing;
 pub mod index;
+pub mod metrics;
+pub mod request;
+pub mod router;
 pub mod salt;
 pub mod scoring;
+pub mod server;
 pub mod sim;
 pub mod worker;
 pub mod workload;

@@ -16,6 +16,8 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Run the ext_proc endpoint picker.
+    Serve(cli::serve::ServeArgs),
     /// Print the local and sequence block hashes of a JSON token array read on stdin.
     Hash(cli::hash::HashArgs),
     /// Route a multi-tenant workload with kv-epp and with round-robin and compare.
@@ -25,6 +27,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Serve(args) => cli::serve::run(&args),
         Command::Hash(args) => cli::hash::run(&args, std::io::stdin().lock()).map(|out| {
             println!("{out}");
         }),

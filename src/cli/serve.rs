@@ -1,0 +1,124 @@
+//! `kv-epp serve`: load the configuration, apply flags, validate, and run until SIGTERM/Ctrl-C.
+
+use std::path::PathBuf;
+
+use kv_epp::config::Config;
+use kv_epp::server::Server;
+
+/// Flags of `kv-epp serve`; names match the reference endpoint picker where they overlap.
+#[derive(clap::Args, Debug)]
+pub struct ServeArgs {
+    /// The YAML configuration file.
+    #[arg(long)]
+    pub config_file: Option<PathBuf>,
+    /// ext_proc gRPC port (overrides server.grpc_port).
+    #[arg(long)]
+    pub grpc_port: Option<u16>,
+    /// gRPC health port (overrides server.grpc_health_port).
+    #[arg(long)]
+    pub grpc_health_port: Option<u16>,
+    /// Prometheus metrics port (overrides server.metrics_port).
+    #[arg(long)]
+    pub metrics_port: Option<u16>,
+    /// InferencePool name (overrides pool.name).
+    #[arg(long)]
+    pub pool_name: Option<String>,
+    /// InferencePool namespace (overrides pool.namespace; falls back to $NAMESPACE).
+    #[arg(long, env = "NAMESPACE")]
+    pub pool_namespace: Option<String>,
+    /// Serve TLS on the ext_proc port (self-signed unless --cert-path is given).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub secure_serving: Option<bool>,
+    /// Directory holding tls.crt and tls.key.
+    #[arg(long)]
+    pub cert_path: Option<PathBuf>,
+    /// Log format: text or json.
+    #[arg(long, default_value = "text")]
+    pub log_format: String,
+}
+
+/// Builds the effective configuration: file, then flags, then validation.
+pub fn effective_config(args: &ServeArgs) -> Result<Config, String> {
+    let mut c = match &args.config_file {
+        Some(p) => Config::from_file(p).map_err(|e| e.to_string())?,
+        None => Config::default(),
+    };
+    let s = &mut c.server;
+    if let Some(p) = args.grpc_port {
+        s.grpc_port = p;
+    }
+    if let Some(p) = args.grpc_health_port {
+        s.grpc_health_port = p;
+    }
+    if let Some(p) = args.metrics_port {
+        s.metrics_port = p;
+    }
+    if let Some(v) = args.secure_serving {
+        s.secure_serving = v;
+    }
+    if let Some(p) = &args.cert_path {
+        s.cert_path = Some(p.clone());
+    }
+    if let Some(n) = &args.pool_name {
+        c.pool.name = n.clone();
+    }
+    if let Some(n) = &args.pool_namespace {
+        c.pool.namespace = n.clone();
+    }
+    c.validate().map_err(|e| e.to_string())?;
+    Ok(c)
+}
+
+/// Runs the server until a shutdown signal.
+pub fn run(args: &ServeArgs) -> Result<(), String> {
+    init_logs(&args.log_format)?;
+    let config = effective_config(args)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("starting the runtime: {e}"))?;
+    rt.block_on(async move {
+        let server = Server::start(&config).await.map_err(|e| e.to_string())?;
+        println!(
+            "kv-epp serving ext_proc on {} (health {}, metrics {})",
+            server.grpc_addr, server.health_addr, server.metrics_addr
+        );
+        shutdown_signal().await;
+        tracing::info!("shutting down");
+        server.stop().await;
+        Ok(())
+    })
+}
+
+fn init_logs(format: &str) -> Result<(), String> {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KV_EPP_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match format {
+        "json" => builder.json().init(),
+        "text" => builder.init(),
+        other => return Err(format!("--log-format must be text or json, got `{other}`")),
+    }
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}

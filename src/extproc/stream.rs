@@ -1,0 +1,553 @@
+//! One ext_proc stream (one HTTP request) as an explicit state machine.
+//!
+//! ```text
+//! AwaitHeaders ──headers(eos)──────────────────────────────▶ Routed ──response…──▶ (stream ends)
+//!      │ headers                                               ▲
+//!      ▼                                                       │ body complete: decide
+//! CollectBody ──body chunks (≤ max_body_bytes)─────────────────┘
+//!      └── any rejection (400/404/413/429/503) ─▶ Finished (ImmediateResponse sent)
+//! ```
+//!
+//! FULL_DUPLEX_STREAMED: the header response waits for the whole body (routing needs it), then the
+//! body is streamed back in chunks. BUFFERED: headers are answered at once, the decision rides on
+//! the body response. The handler is synchronous and owns the request's [`Booking`] (inside the
+//! decision), so whatever ends the stream (response end, client abort, Envoy reset, error) drops
+//! the handler and releases the booking exactly once.
+//!
+//! [`Booking`]: crate::router::Booking
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Instant;
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    CommonResponse, HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
+    processing_request::Request,
+};
+use envoy_types::pb::google::protobuf::value::Kind;
+
+use super::messages::{self, DESTINATION, LB_NAMESPACE, Phase};
+use super::usage::UsageScanner;
+use crate::metrics::Metrics;
+use crate::request::{self, Prompt};
+use crate::router::{RouteDecision, RouteError, RouteRequest, Router};
+use crate::salt::{SaltInputs, TENANT_HEADER, resolve};
+
+/// Options of the stream handler (from the configuration).
+#[derive(Clone, Debug)]
+pub struct StreamOptions {
+    /// 413 above this many body bytes.
+    pub max_body_bytes: usize,
+    /// `Retry-After` on 429.
+    pub retry_after_seconds: u32,
+    /// Honour the GIE conformance headers.
+    pub conformance_hooks: bool,
+}
+
+const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
+const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
+const SERVED_KEY: &str = "x-gateway-destination-endpoint-served";
+const CONFORMANCE_SELECT: &str = "test-epp-endpoint-selection";
+const CONFORMANCE_SERVED: &str = "x-conformance-test-served-endpoint";
+
+/// Body handling Envoy announced in `protocol_config`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BodyMode {
+    /// FULL_DUPLEX_STREAMED: echo every byte back as streamed chunks.
+    FullDuplex,
+    /// BUFFERED (or any non-streaming mode): answer with plain body responses.
+    Buffered,
+}
+
+impl BodyMode {
+    fn from_proto(mode: i32) -> BodyMode {
+        // envoy.extensions.filters.http.ext_proc.v3.ProcessingMode.BodySendMode
+        if mode == 4 {
+            BodyMode::FullDuplex
+        } else {
+            BodyMode::Buffered
+        }
+    }
+}
+
+/// What the request headers told us.
+#[derive(Debug, Default)]
+struct RequestHead {
+    tenant: Vec<Vec<u8>>,
+    /// Client-sent control headers to strip before forwarding.
+    strip: Vec<String>,
+    subset: Option<Vec<SocketAddr>>,
+    conformance_ips: Option<Vec<IpAddr>>,
+}
+
+#[derive(Debug)]
+enum State {
+    AwaitHeaders,
+    CollectBody {
+        head: RequestHead,
+        body: Vec<u8>,
+    },
+    Routed {
+        decision: RouteDecision,
+        usage: Option<UsageScanner>,
+    },
+    Finished,
+}
+
+/// A protocol violation by the ext_proc client (Envoy): the stream fails with this message.
+#[derive(Debug, thiserror::Error)]
+#[error("unexpected ext_proc message: {0}")]
+pub struct ProtocolError(pub String);
+
+/// The handler of one stream.
+pub struct StreamHandler {
+    router: Arc<Router>,
+    opts: StreamOptions,
+    request_mode: BodyMode,
+    response_mode: BodyMode,
+    state: State,
+}
+
+impl StreamHandler {
+    /// A handler for a new stream.
+    pub fn new(router: Arc<Router>, opts: StreamOptions) -> Self {
+        StreamHandler {
+            router,
+            opts,
+            request_mode: BodyMode::FullDuplex,
+            response_mode: BodyMode::FullDuplex,
+            state: State::AwaitHeaders,
+        }
+    }
+
+    /// Whether the stream is over from our side (a local reply was sent).
+    pub fn is_finished(&self) -> bool {
+        matches!(self.state, State::Finished)
+    }
+
+    /// The routing decision, once made.
+    pub fn decision(&self) -> Option<&RouteDecision> {
+        match &self.state {
+            State::Routed { decision, .. } => Some(decision),
+            _ => None,
+        }
+    }
+
+    /// Handles one message from Envoy, returning the messages to send back in order.
+    pub fn on_message(
+        &mut self,
+        msg: ProcessingRequest,
+    ) -> Result<Vec<ProcessingResponse>, ProtocolError> {
+        if let Some(pc) = &msg.protocol_config {
+            self.request_mode = BodyMode::from_proto(pc.request_body_mode);
+            self.response_mode = BodyMode::from_proto(pc.response_body_mode);
+        }
+        let metadata = msg.metadata_context;
+        let Some(request) = msg.request else {
+            return Err(ProtocolError("message without a request".into()));
+        };
+        let state = std::mem::replace(&mut self.state, State::Finished);
+        let (next, out) = match (state, request) {
+            (State::AwaitHeaders, Request::RequestHeaders(h)) => {
+                self.on_request_headers(h, metadata.as_ref())
+            }
+            (State::CollectBody { head, mut body }, Request::RequestBody(b)) => {
+                if body.len() + b.body.len() > self.opts.max_body_bytes {
+                    self.router.metrics().request("", "rejected_too_large");
+                    let limit = self.opts.max_body_bytes;
+                    let msg = format!("request body exceeds the limit of {limit} bytes");
+                    (
+                        State::Finished,
+                        vec![messages::immediate(413, "body-too-large", &msg, vec![])],
+                    )
+                } else {
+                    body.extend_from_slice(&b.body);
+                    if b.end_of_stream {
+                        self.decide(head, body, true)
+                    } else {
+                        (State::CollectBody { head, body }, Vec::new())
+                    }
+                }
+            }
+            (State::CollectBody { head, body }, Request::RequestTrailers(_)) => {
+                // The body ended without an end-of-stream flag: trailers follow it.
+                let (next, mut out) = self.decide(head, body, false);
+                if !matches!(next, State::Finished) {
+                    out.push(messages::trailers(true));
+                }
+                (next, out)
+            }
+            (State::Routed { decision, usage }, Request::RequestBody(b)) => {
+                // Body after a header-time decision: pass it through unchanged.
+                let out = self.pass_body(Phase::RequestBody, self.request_mode, &b);
+                (State::Routed { decision, usage }, out)
+            }
+            (state @ State::Routed { .. }, Request::RequestTrailers(_)) => {
+                (state, vec![messages::trailers(true)])
+            }
+            (State::Routed { decision, .. }, Request::ResponseHeaders(h)) => {
+                let (usage, out) = self.on_response_headers(&decision, &h, metadata.as_ref());
+                (State::Routed { decision, usage }, out)
+            }
+            (State::Routed { decision, usage }, Request::ResponseBody(b)) => {
+                let out = self.pass_body(Phase::ResponseBody, self.response_mode, &b);
+                let usage = match usage {
+                    Some(mut scanner) => {
+                        scanner.feed(&b.body);
+                        if b.end_of_stream {
+                            self.record_usage(&decision, scanner);
+                            None
+                        } else {
+                            Some(scanner)
+                        }
+                    }
+                    None => None,
+                };
+                (State::Routed { decision, usage }, out)
+            }
+            (state @ State::Routed { .. }, Request::ResponseTrailers(_)) => {
+                (state, vec![messages::trailers(false)])
+            }
+            (state, other) => {
+                let what = match other {
+                    Request::RequestHeaders(_) => "request headers",
+                    Request::ResponseHeaders(_) => "response headers",
+                    Request::RequestBody(_) => "request body",
+                    Request::ResponseBody(_) => "response body",
+                    Request::RequestTrailers(_) => "request trailers",
+                    Request::ResponseTrailers(_) => "response trailers",
+                };
+                let phase = match state {
+                    State::AwaitHeaders => "before request headers",
+                    State::CollectBody { .. } => "while collecting the request body",
+                    State::Routed { .. } => "after routing",
+                    State::Finished => "after a local reply",
+                };
+                return Err(ProtocolError(format!("{what} {phase}")));
+            }
+        };
+        self.state = next;
+        Ok(out)
+    }
+
+    fn on_request_headers(
+        &mut self,
+        h: HttpHeaders,
+        metadata: Option<&Metadata>,
+    ) -> (State, Vec<ProcessingResponse>) {
+        let head = self.read_head(h.headers.as_ref(), metadata);
+        if h.end_of_stream {
+            // No body follows: route on load alone, answer now.
+            return self.route_and_answer(head, None, Phase::RequestHeaders, true);
+        }
+        match self.request_mode {
+            BodyMode::FullDuplex => (
+                State::CollectBody {
+                    head,
+                    body: Vec::new(),
+                },
+                Vec::new(),
+            ),
+            BodyMode::Buffered => {
+                // Answer at once; strip client routing headers now, route on the body response.
+                let mut strip = head.strip.clone();
+                strip.push(DESTINATION.to_owned());
+                let resp = messages::common(
+                    Phase::RequestHeaders,
+                    CommonResponse {
+                        header_mutation: messages::mutation(Vec::new(), strip),
+                        ..CommonResponse::default()
+                    },
+                    None,
+                );
+                (
+                    State::CollectBody {
+                        head,
+                        body: Vec::new(),
+                    },
+                    vec![resp],
+                )
+            }
+        }
+    }
+
+    fn read_head(&self, headers: Option<&HeaderMap>, metadata: Option<&Metadata>) -> RequestHead {
+        let mut head = RequestHead::default();
+        for hv in headers.map(|h| h.headers.as_slice()).unwrap_or_default() {
+            let key = hv.key.to_ascii_lowercase();
+            let value = if hv.raw_value.is_empty() {
+                hv.value.as_bytes()
+            } else {
+                hv.raw_value.as_slice()
+            };
+            if key == TENANT_HEADER {
+                head.tenant.push(value.to_vec());
+            } else if key == CONFORMANCE_SELECT {
+                if self.opts.conformance_hooks {
+                    let ips = String::from_utf8_lossy(value)
+                        .split(',')
+                        .filter_map(|s| s.trim().parse().ok())
+                        .collect();
+                    head.conformance_ips = Some(ips);
+                }
+                head.strip.push(key);
+            } else if (key.starts_with(DESTINATION) && key != DESTINATION)
+                || key == CONFORMANCE_SERVED
+            {
+                head.strip.push(key);
+            }
+        }
+        head.subset = subset_hint(metadata);
+        head
+    }
+
+    /// Parses the body, resolves the salt, routes, and builds the answer.
+    fn decide(
+        &mut self,
+        head: RequestHead,
+        body: Vec<u8>,
+        body_ends: bool,
+    ) -> (State, Vec<ProcessingResponse>) {
+        let phase = match self.request_mode {
+            BodyMode::FullDuplex => Phase::RequestHeaders,
+            BodyMode::Buffered => Phase::RequestBody,
+        };
+        self.route_and_answer(head, Some(body), phase, body_ends)
+    }
+
+    fn route_and_answer(
+        &mut self,
+        head: RequestHead,
+        body: Option<Vec<u8>>,
+        phase: Phase,
+        body_ends: bool,
+    ) -> (State, Vec<ProcessingResponse>) {
+        let mut out = Vec::new();
+        let started = Instant::now();
+        let metrics = self.router.metrics().clone();
+        let parsed = match body.as_deref() {
+            None | Some([]) => None,
+            Some(bytes) => match request::parse(bytes) {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    metrics.request("", "rejected_bad_request");
+                    return reject(400, "bad-request", &e.to_string());
+                }
+            },
+        };
+        let tenant: Vec<&[u8]> = head.tenant.iter().map(Vec::as_slice).collect();
+        let inputs = SaltInputs {
+            header: &tenant,
+            nvext: parsed.as_ref().map(|p| p.nvext_salt()).unwrap_or_default(),
+            body: parsed.as_ref().map(|p| p.body_salt()).unwrap_or_default(),
+        };
+        let salt = match resolve(&inputs, self.router.salt_policy()) {
+            Ok(s) => s,
+            Err(e) => {
+                metrics.request("", "rejected_bad_salt");
+                return reject(400, "bad-cache-salt", &e.to_string());
+            }
+        };
+        let model = parsed.as_ref().and_then(|p| p.model.as_deref());
+        let tokens = match parsed.as_ref().map(|p| &p.prompt) {
+            Some(Prompt::TokenIds(t)) => Some(t.as_slice()),
+            _ => None,
+        };
+        let req = RouteRequest {
+            model,
+            tokens,
+            salt: salt.as_ref().map(|s| &s.salt),
+            subset: head.subset.clone(),
+            conformance_ips: head.conformance_ips.clone(),
+        };
+        let model_label = model.unwrap_or("");
+        let decision = match self.router.route(&req) {
+            Ok(d) => d,
+            Err(e) => {
+                let (status, kind) = match &e {
+                    RouteError::NoEndpoints(_) => (503, "rejected-no-endpoints"),
+                    RouteError::Saturated => (429, "rejected-saturated"),
+                    RouteError::UnknownModel(_) => (404, "model-not-found"),
+                };
+                metrics.request(model_label, kind);
+                let extra = if status == 429 {
+                    vec![messages::set_header(
+                        "retry-after",
+                        self.opts.retry_after_seconds.to_string().as_bytes(),
+                    )]
+                } else {
+                    Vec::new()
+                };
+                return (
+                    State::Finished,
+                    vec![messages::immediate(status, kind, &e.to_string(), extra)],
+                );
+            }
+        };
+        metrics
+            .decision_seconds
+            .observe(started.elapsed().as_secs_f64());
+        let label_model = decision.model.as_deref().unwrap_or("unknown");
+        metrics.request(label_model, "routed");
+        let labels = Metrics::labels(&[("model", label_model)]);
+        metrics
+            .prompt_blocks
+            .get_or_create(&labels)
+            .inc_by(u64::from(decision.prompt_blocks));
+        metrics
+            .cached_blocks
+            .get_or_create(&labels)
+            .inc_by(decision.cached_blocks.floor() as u64);
+        tracing::debug!(
+            worker = %decision.booking.worker(),
+            model = label_model,
+            salt = ?salt.as_ref().map(|s| s.salt.fingerprint(self.router.fingerprints())),
+            prompt_blocks = decision.prompt_blocks,
+            cached_blocks = decision.cached_blocks,
+            "routed"
+        );
+        let destination = decision.destination();
+        let set = vec![messages::set_header(DESTINATION, destination.as_bytes())];
+        out.push(messages::common(
+            phase,
+            CommonResponse {
+                header_mutation: messages::mutation(set, head.strip),
+                clear_route_cache: true,
+                ..CommonResponse::default()
+            },
+            Some(messages::destination_metadata(&destination)),
+        ));
+        if let (BodyMode::FullDuplex, Some(body), Phase::RequestHeaders) =
+            (self.request_mode, body.as_deref(), phase)
+        {
+            out.extend(messages::stream_body(Phase::RequestBody, body, body_ends));
+        }
+        (
+            State::Routed {
+                decision,
+                usage: None,
+            },
+            out,
+        )
+    }
+
+    fn on_response_headers(
+        &self,
+        decision: &RouteDecision,
+        h: &HttpHeaders,
+        metadata: Option<&Metadata>,
+    ) -> (Option<UsageScanner>, Vec<ProcessingResponse>) {
+        let mut content_type = String::new();
+        for hv in h
+            .headers
+            .as_ref()
+            .map(|m| m.headers.as_slice())
+            .unwrap_or_default()
+        {
+            if hv.key.eq_ignore_ascii_case("content-type") {
+                let v = if hv.raw_value.is_empty() {
+                    hv.value.as_bytes()
+                } else {
+                    &hv.raw_value
+                };
+                content_type = String::from_utf8_lossy(v).to_ascii_lowercase();
+            }
+        }
+        let served = served_endpoint(metadata);
+        let mut set = Vec::new();
+        if let Some(served) = &served {
+            let picked = decision.booking.worker().endpoint.to_string();
+            if *served != picked {
+                self.router.metrics().served_mismatch.inc();
+            }
+            if self.opts.conformance_hooks {
+                set.push(messages::set_header(CONFORMANCE_SERVED, served.as_bytes()));
+            }
+        }
+        let out = vec![messages::common(
+            Phase::ResponseHeaders,
+            CommonResponse {
+                header_mutation: messages::mutation(set, Vec::new()),
+                ..CommonResponse::default()
+            },
+            None,
+        )];
+        let usage = (!h.end_of_stream).then(|| UsageScanner::new(&content_type));
+        (usage, out)
+    }
+
+    fn pass_body(&self, phase: Phase, mode: BodyMode, b: &HttpBody) -> Vec<ProcessingResponse> {
+        match mode {
+            BodyMode::FullDuplex => messages::stream_body(phase, &b.body, b.end_of_stream),
+            BodyMode::Buffered => vec![messages::common(phase, CommonResponse::default(), None)],
+        }
+    }
+
+    fn record_usage(&self, decision: &RouteDecision, scanner: UsageScanner) {
+        let Some(u) = scanner.finish() else { return };
+        let model = decision.model.as_deref().unwrap_or("unknown");
+        let m = self.router.metrics();
+        for (kind, n) in [
+            ("prompt", u.prompt_tokens),
+            ("completion", u.completion_tokens),
+            ("cached", u.cached_tokens),
+        ] {
+            m.tokens
+                .get_or_create(&Metrics::labels(&[("model", model), ("kind", kind)]))
+                .inc_by(n);
+        }
+    }
+}
+
+fn reject(status: u16, kind: &str, message: &str) -> (State, Vec<ProcessingResponse>) {
+    (
+        State::Finished,
+        vec![messages::immediate(status, kind, message, Vec::new())],
+    )
+}
+
+/// The gateway's subset hint: a list of `ip:port` strings or one comma-separated string.
+fn subset_hint(metadata: Option<&Metadata>) -> Option<Vec<SocketAddr>> {
+    let v = metadata?
+        .filter_metadata
+        .get(SUBSET_NAMESPACE)?
+        .fields
+        .get(SUBSET_KEY)?;
+    let mut out = Vec::new();
+    let mut push = |s: &str| {
+        for part in s.split(',') {
+            if let Ok(a) = part.trim().parse() {
+                out.push(a);
+            }
+        }
+    };
+    match &v.kind {
+        Some(Kind::StringValue(s)) => push(s),
+        Some(Kind::ListValue(l)) => {
+            for item in &l.values {
+                if let Some(Kind::StringValue(s)) = &item.kind {
+                    push(s);
+                }
+            }
+        }
+        _ => {}
+    }
+    Some(out)
+}
+
+/// The endpoint the gateway reports as having served the request.
+fn served_endpoint(metadata: Option<&Metadata>) -> Option<String> {
+    let v = metadata?
+        .filter_metadata
+        .get(LB_NAMESPACE)?
+        .fields
+        .get(SERVED_KEY)?;
+    match &v.kind {
+        Some(Kind::StringValue(s)) => Some(s.clone()),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,479 @@
+//! State-machine tests without gRPC: messages in, messages out.
+
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    HttpBody, HttpHeaders, HttpTrailers, ProcessingRequest, ProcessingResponse,
+    ProtocolConfiguration, body_mutation::Mutation, processing_request::Request,
+    processing_response::Response,
+};
+use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
+
+use super::*;
+use crate::config::Config;
+use crate::metrics::Metrics;
+
+fn router(extra: &str) -> Arc<Router> {
+    let yaml = format!(
+        "models: [{{name: m, block_size: 4}}]\nworkers: [{{endpoint: '10.0.0.1:8000', model: m}}, {{endpoint: '10.0.0.2:8000', model: m}}]\n{extra}"
+    );
+    let c = Config::from_yaml(&yaml).unwrap();
+    c.validate().unwrap();
+    Arc::new(Router::new(&c, Arc::new(Metrics::new())))
+}
+
+fn opts() -> StreamOptions {
+    StreamOptions {
+        max_body_bytes: 1 << 20,
+        retry_after_seconds: 2,
+        conformance_hooks: true,
+    }
+}
+
+fn headers(pairs: &[(&str, &str)], eos: bool, mode: i32) -> ProcessingRequest {
+    ProcessingRequest {
+        protocol_config: Some(ProtocolConfiguration {
+            request_body_mode: mode,
+            response_body_mode: mode,
+            ..Default::default()
+        }),
+        request: Some(Request::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: pairs
+                    .iter()
+                    .map(|(k, v)| HeaderValue {
+                        key: (*k).into(),
+                        value: String::new(),
+                        raw_value: v.as_bytes().to_vec(),
+                    })
+                    .collect(),
+            }),
+            end_of_stream: eos,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+fn body(bytes: &[u8], eos: bool) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(Request::RequestBody(HttpBody {
+            body: bytes.to_vec(),
+            end_of_stream: eos,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+const FULL_DUPLEX: i32 = 4;
+const BUFFERED: i32 = 2;
+
+/// (destination header, metadata destination, streamed body bytes, ends)
+fn routing_of(out: &[ProcessingResponse]) -> (String, String, Vec<u8>, usize, Vec<String>) {
+    let mut dest = String::new();
+    let mut meta = String::new();
+    let mut bytes = Vec::new();
+    let mut ends = 0;
+    let mut removed = Vec::new();
+    for r in out {
+        if let Some(m) = &r.dynamic_metadata
+            && let Some(Kind::StructValue(s)) = &m.fields["envoy.lb"].kind
+            && let Some(Kind::StringValue(v)) = &s.fields["x-gateway-destination-endpoint"].kind
+        {
+            meta = v.clone();
+        }
+        let common = match &r.response {
+            Some(Response::RequestHeaders(h)) => h.response.clone(),
+            Some(Response::RequestBody(b)) => b.response.clone(),
+            _ => None,
+        };
+        if let Some(c) = common {
+            if let Some(hm) = &c.header_mutation {
+                for h in &hm.set_headers {
+                    let hv = h.header.as_ref().unwrap();
+                    if hv.key == "x-gateway-destination-endpoint" {
+                        dest = String::from_utf8(hv.raw_value.clone()).unwrap();
+                        assert!(c.clear_route_cache);
+                    }
+                }
+                removed.extend(hm.remove_headers.clone());
+            }
+            if let Some(Mutation::StreamedResponse(s)) =
+                c.body_mutation.as_ref().and_then(|b| b.mutation.clone())
+            {
+                bytes.extend(s.body);
+                ends += usize::from(s.end_of_stream);
+            }
+        }
+    }
+    (dest, meta, bytes, ends, removed)
+}
+
+/// (status, body, headers) of a local reply.
+type Immediate = (i32, String, Vec<(String, String)>);
+
+fn immediate_status(out: &[ProcessingResponse]) -> Option<Immediate> {
+    out.iter().find_map(|r| match &r.response {
+        Some(Response::ImmediateResponse(i)) => Some((
+            i.status.as_ref().unwrap().code,
+            String::from_utf8(i.body.clone()).unwrap(),
+            i.headers
+                .as_ref()
+                .map(|h| {
+                    h.set_headers
+                        .iter()
+                        .map(|o| {
+                            let hv = o.header.as_ref().unwrap();
+                            (
+                                hv.key.clone(),
+                                String::from_utf8(hv.raw_value.clone()).unwrap(),
+                            )
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
+        )),
+        _ => None,
+    })
+}
+
+#[test]
+fn full_duplex_waits_for_the_body_then_routes_and_echoes_it() {
+    let r = router("");
+    let mut h = StreamHandler::new(r.clone(), opts());
+    let out = h
+        .on_message(headers(
+            &[
+                (":path", "/v1/completions"),
+                ("x-gateway-destination-endpoint", "6.6.6.6:1"),
+                ("x-gateway-destination-endpoint-served", "x"),
+            ],
+            false,
+            FULL_DUPLEX,
+        ))
+        .unwrap();
+    assert!(out.is_empty(), "header response waits for the body");
+    let payload = br#"{"model":"m","prompt":[1,2,3,4,5,6,7,8]}"#;
+    assert!(
+        h.on_message(body(&payload[..10], false))
+            .unwrap()
+            .is_empty()
+    );
+    let out = h.on_message(body(&payload[10..], false)).unwrap();
+    assert!(out.is_empty());
+    // The end of the body arrives as an empty chunk.
+    let out = h.on_message(body(b"", true)).unwrap();
+    let (dest, meta, bytes, ends, removed) = routing_of(&out);
+    assert!(dest == "10.0.0.1:8000" || dest == "10.0.0.2:8000", "{dest}");
+    assert_eq!(dest, meta, "header and metadata carry the same value");
+    assert_eq!(bytes, payload, "every body byte streamed back");
+    assert_eq!(ends, 1);
+    assert_eq!(
+        removed,
+        vec!["x-gateway-destination-endpoint-served".to_string()]
+    );
+    assert_eq!(r.total_inflight(), 1);
+    drop(h);
+    assert_eq!(
+        r.total_inflight(),
+        0,
+        "dropping the stream releases the booking"
+    );
+}
+
+#[test]
+fn buffered_answers_headers_at_once_and_routes_on_the_body() {
+    let r = router("");
+    let mut h = StreamHandler::new(r.clone(), opts());
+    let out = h
+        .on_message(headers(&[(":path", "/v1/completions")], false, BUFFERED))
+        .unwrap();
+    assert_eq!(out.len(), 1);
+    let (dest, _, _, _, removed) = routing_of(&out);
+    assert!(dest.is_empty());
+    assert!(removed.contains(&"x-gateway-destination-endpoint".to_string()));
+    let out = h
+        .on_message(body(br#"{"model":"m","prompt":[1,2]}"#, true))
+        .unwrap();
+    assert_eq!(out.len(), 1);
+    assert!(matches!(out[0].response, Some(Response::RequestBody(_))));
+    let (dest, meta, bytes, _, _) = routing_of(&out);
+    assert!(!dest.is_empty());
+    assert_eq!(dest, meta);
+    assert!(bytes.is_empty(), "no body mutation in BUFFERED mode");
+}
+
+#[test]
+fn bodyless_requests_route_on_load_alone() {
+    let r = router("");
+    let mut h = StreamHandler::new(r.clone(), opts());
+    let out = h
+        .on_message(headers(&[(":path", "/v1/models")], true, FULL_DUPLEX))
+        .unwrap();
+    let (dest, meta, _, _, _) = routing_of(&out);
+    assert!(!dest.is_empty() && dest == meta);
+    assert_eq!(r.total_inflight(), 1);
+}
+
+#[test]
+fn rejections_carry_status_and_reason() {
+    let cases: Vec<(&str, &[u8], i32, &str)> = vec![
+        ("", b"not json", 400, "not a JSON object"),
+        ("", br#"{"prompt":[1]}"#, 400, "no `model`"),
+        (
+            "",
+            br#"{"model":"m","cache_salt":"#,
+            400,
+            "not a JSON object",
+        ),
+        (
+            "routing: {unknown_model: reject}",
+            br#"{"model":"zz","prompt":[1]}"#,
+            404,
+            "not served",
+        ),
+    ];
+    for (extra, payload, status, needle) in cases {
+        let r = router(extra);
+        let mut h = StreamHandler::new(r.clone(), opts());
+        h.on_message(headers(&[], false, FULL_DUPLEX)).unwrap();
+        let out = h.on_message(body(payload, true)).unwrap();
+        let (code, text, _) = immediate_status(&out).expect("immediate response");
+        assert_eq!(code, status, "{text}");
+        assert!(text.contains(needle), "{text}");
+        assert!(serde_json::from_str::<serde_json::Value>(&text).is_ok());
+        assert!(h.is_finished());
+        assert_eq!(r.total_inflight(), 0);
+    }
+    // Over-long salt in the header.
+    let r = router("");
+    let mut h = StreamHandler::new(r, opts());
+    let long = "t".repeat(2000);
+    h.on_message(headers(&[("x-tenant-id", &long)], false, FULL_DUPLEX))
+        .unwrap();
+    let out = h.on_message(body(br#"{"model":"m"}"#, true)).unwrap();
+    assert_eq!(immediate_status(&out).unwrap().0, 400);
+}
+
+#[test]
+fn body_limit_gives_413() {
+    let r = router("");
+    let mut h = StreamHandler::new(
+        r,
+        StreamOptions {
+            max_body_bytes: 10,
+            ..opts()
+        },
+    );
+    h.on_message(headers(&[], false, FULL_DUPLEX)).unwrap();
+    assert!(h.on_message(body(b"0123456", false)).unwrap().is_empty());
+    let out = h.on_message(body(b"789ab", false)).unwrap();
+    let (code, text, _) = immediate_status(&out).unwrap();
+    assert_eq!(code, 413);
+    assert!(text.contains("limit of 10 bytes"));
+}
+
+#[test]
+fn saturation_gives_429_with_retry_after() {
+    let r = router("routing: {max_inflight_per_worker: 1}");
+    let mut a = StreamHandler::new(r.clone(), opts());
+    let mut b = StreamHandler::new(r.clone(), opts());
+    let mut c = StreamHandler::new(r.clone(), opts());
+    for h in [&mut a, &mut b] {
+        let out = h.on_message(headers(&[], true, FULL_DUPLEX)).unwrap();
+        assert!(!routing_of(&out).0.is_empty());
+    }
+    let out = c.on_message(headers(&[], true, FULL_DUPLEX)).unwrap();
+    let (code, _, hdrs) = immediate_status(&out).unwrap();
+    assert_eq!(code, 429);
+    assert!(hdrs.contains(&("retry-after".into(), "2".into())));
+    assert!(hdrs.contains(&(
+        "x-llm-d-request-dropped-reason".into(),
+        "rejected-saturated".into()
+    )));
+    drop(a);
+    let mut d = StreamHandler::new(r.clone(), opts());
+    assert!(
+        !routing_of(&d.on_message(headers(&[], true, FULL_DUPLEX)).unwrap())
+            .0
+            .is_empty()
+    );
+}
+
+fn with_subset(mut msg: ProcessingRequest, v: Value) -> ProcessingRequest {
+    let mut md = Metadata::default();
+    md.filter_metadata.insert(
+        "envoy.lb.subset_hint".into(),
+        Struct {
+            fields: [("x-gateway-destination-endpoint-subset".to_string(), v)]
+                .into_iter()
+                .collect(),
+        },
+    );
+    msg.metadata_context = Some(md);
+    msg
+}
+
+#[test]
+fn subset_hint_restricts_and_empty_subset_is_503() {
+    let r = router("");
+    let string = Value {
+        kind: Some(Kind::StringValue("10.0.0.2:8000, 9.9.9.9:1".into())),
+    };
+    let list = Value {
+        kind: Some(Kind::ListValue(ListValue {
+            values: vec![Value {
+                kind: Some(Kind::StringValue("10.0.0.2:8000".into())),
+            }],
+        })),
+    };
+    for v in [string, list] {
+        for _ in 0..4 {
+            let mut h = StreamHandler::new(r.clone(), opts());
+            let out = h
+                .on_message(with_subset(headers(&[], true, FULL_DUPLEX), v.clone()))
+                .unwrap();
+            assert_eq!(routing_of(&out).0, "10.0.0.2:8000");
+        }
+    }
+    let mut h = StreamHandler::new(r.clone(), opts());
+    let empty = Value {
+        kind: Some(Kind::ListValue(ListValue { values: vec![] })),
+    };
+    let out = h
+        .on_message(with_subset(headers(&[], true, FULL_DUPLEX), empty))
+        .unwrap();
+    assert_eq!(immediate_status(&out).unwrap().0, 503);
+}
+
+#[test]
+fn conformance_selection_and_served_echo() {
+    let r = router("");
+    let mut h = StreamHandler::new(r.clone(), opts());
+    let out = h
+        .on_message(headers(
+            &[("test-epp-endpoint-selection", "10.0.0.2,10.0.0.1")],
+            true,
+            FULL_DUPLEX,
+        ))
+        .unwrap();
+    let (dest, _, _, _, removed) = routing_of(&out);
+    assert_eq!(dest, "10.0.0.2:8000");
+    assert!(removed.contains(&"test-epp-endpoint-selection".to_string()));
+    let mut md = Metadata::default();
+    md.filter_metadata.insert(
+        "envoy.lb".into(),
+        Struct {
+            fields: [(
+                "x-gateway-destination-endpoint-served".to_string(),
+                Value {
+                    kind: Some(Kind::StringValue("10.0.0.2:8000".into())),
+                },
+            )]
+            .into_iter()
+            .collect(),
+        },
+    );
+    let out = h
+        .on_message(ProcessingRequest {
+            metadata_context: Some(md),
+            request: Some(Request::ResponseHeaders(HttpHeaders::default())),
+            ..Default::default()
+        })
+        .unwrap();
+    let Some(Response::ResponseHeaders(hr)) = &out[0].response else {
+        panic!()
+    };
+    let set = &hr
+        .response
+        .as_ref()
+        .unwrap()
+        .header_mutation
+        .as_ref()
+        .unwrap()
+        .set_headers;
+    assert_eq!(
+        set[0].header.as_ref().unwrap().key,
+        "x-conformance-test-served-endpoint"
+    );
+    assert_eq!(set[0].header.as_ref().unwrap().raw_value, b"10.0.0.2:8000");
+}
+
+#[test]
+fn response_body_is_echoed_and_usage_counted() {
+    let r = router("");
+    let mut h = StreamHandler::new(r.clone(), opts());
+    h.on_message(headers(&[], false, FULL_DUPLEX)).unwrap();
+    h.on_message(body(br#"{"model":"m","prompt":[1,2,3,4]}"#, true))
+        .unwrap();
+    let ct = HeaderMap {
+        headers: vec![HeaderValue {
+            key: "content-type".into(),
+            value: String::new(),
+            raw_value: b"text/event-stream".to_vec(),
+        }],
+    };
+    h.on_message(ProcessingRequest {
+        request: Some(Request::ResponseHeaders(HttpHeaders {
+            headers: Some(ct),
+            ..Default::default()
+        })),
+        ..Default::default()
+    })
+    .unwrap();
+    let sse = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":4,\"completion_tokens\":9}}\n\ndata: [DONE]\n\n";
+    let mut echoed = Vec::new();
+    for (i, chunk) in sse.chunks(11).enumerate() {
+        let last = (i + 1) * 11 >= sse.len();
+        let out = h
+            .on_message(ProcessingRequest {
+                request: Some(Request::ResponseBody(HttpBody {
+                    body: chunk.to_vec(),
+                    end_of_stream: last,
+                    ..Default::default()
+                })),
+                ..Default::default()
+            })
+            .unwrap();
+        for m in out {
+            let Some(Response::ResponseBody(b)) = m.response else {
+                panic!()
+            };
+            let Some(Mutation::StreamedResponse(s)) =
+                b.response.unwrap().body_mutation.unwrap().mutation
+            else {
+                panic!()
+            };
+            echoed.extend(s.body);
+        }
+    }
+    assert_eq!(echoed, sse);
+    let text = r.metrics().encode();
+    assert!(
+        text.contains("kv_epp_usage_tokens_total{model=\"m\",kind=\"completion\"} 9"),
+        "{text}"
+    );
+    let out = h
+        .on_message(ProcessingRequest {
+            request: Some(Request::ResponseTrailers(HttpTrailers::default())),
+            ..Default::default()
+        })
+        .unwrap();
+    assert!(matches!(
+        out[0].response,
+        Some(Response::ResponseTrailers(_))
+    ));
+}
+
+#[test]
+fn out_of_order_messages_are_protocol_errors() {
+    let r = router("");
+    let mut h = StreamHandler::new(r, opts());
+    let err = h.on_message(body(b"{}", true)).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("request body before request headers")
+    );
+}

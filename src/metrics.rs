@@ -1,0 +1,131 @@
+//! Prometheus metrics, exposed as text on the metrics port.
+//!
+//! Label values are model names, worker endpoints, outcomes and salt *fingerprints*; never a raw
+//! salt or tenant id.
+
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+type Labels = Vec<(String, String)>;
+
+/// Every metric kv-epp exports.
+pub struct Metrics {
+    registry: Registry,
+    /// Requests by model and outcome (`routed`, `rejected_*`, `error`).
+    pub requests: Family<Labels, Counter>,
+    /// Time from the end of the request body (or headers) to the decision.
+    pub decision_seconds: Histogram,
+    /// Prompt blocks of routed requests, by model.
+    pub prompt_blocks: Family<Labels, Counter>,
+    /// Prompt blocks the chosen worker already held (device + credited offload), by model.
+    pub cached_blocks: Family<Labels, Counter>,
+    /// Requests in flight per worker, as booked by kv-epp.
+    pub inflight: Family<Labels, Gauge>,
+    /// Streams that ended with an error, by kind.
+    pub stream_errors: Family<Labels, Counter>,
+    /// Token usage reported in responses, by model and kind (prompt, completion, cached).
+    pub tokens: Family<Labels, Counter>,
+    /// Responses whose served endpoint differed from the one picked.
+    pub served_mismatch: Counter,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Registers every family.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("kv_epp");
+        let requests = Family::<Labels, Counter>::default();
+        registry.register(
+            "requests",
+            "Requests by model and outcome",
+            requests.clone(),
+        );
+        let decision_seconds = Histogram::new(exponential_buckets(0.000_01, 2.0, 20));
+        registry.register(
+            "decision_seconds",
+            "Time to decide a request once its body is complete",
+            decision_seconds.clone(),
+        );
+        let prompt_blocks = Family::<Labels, Counter>::default();
+        registry.register(
+            "prompt_blocks",
+            "Prompt blocks of routed requests",
+            prompt_blocks.clone(),
+        );
+        let cached_blocks = Family::<Labels, Counter>::default();
+        registry.register(
+            "cached_blocks",
+            "Prompt blocks already held by the chosen worker (prefix-hit ratio = cached/prompt)",
+            cached_blocks.clone(),
+        );
+        let inflight = Family::<Labels, Gauge>::default();
+        registry.register(
+            "inflight_requests",
+            "Requests in flight per worker as booked by kv-epp",
+            inflight.clone(),
+        );
+        let stream_errors = Family::<Labels, Counter>::default();
+        registry.register(
+            "stream_errors",
+            "ext_proc streams that ended with an error",
+            stream_errors.clone(),
+        );
+        let tokens = Family::<Labels, Counter>::default();
+        registry.register(
+            "usage_tokens",
+            "Token usage reported by engines in responses",
+            tokens.clone(),
+        );
+        let served_mismatch = Counter::<u64, AtomicU64>::default();
+        registry.register(
+            "served_endpoint_mismatch",
+            "Responses served by an endpoint other than the one picked",
+            served_mismatch.clone(),
+        );
+        Metrics {
+            registry,
+            requests,
+            decision_seconds,
+            prompt_blocks,
+            cached_blocks,
+            inflight,
+            stream_errors,
+            tokens,
+            served_mismatch,
+        }
+    }
+
+    /// Label set helper.
+    pub fn labels(pairs: &[(&str, &str)]) -> Labels {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    /// Counts one request outcome.
+    pub fn request(&self, model: &str, outcome: &str) {
+        self.requests
+            .get_or_create(&Self::labels(&[("model", model), ("outcome", outcome)]))
+            .inc();
+    }
+
+    /// The text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}

@@ -1,0 +1,206 @@
+//! `kv-epp serve` as a library: binds the listeners (ext_proc gRPC, gRPC health, Prometheus
+//! metrics), wires them to one [`Router`], and runs until shut down. Tests start it in-process
+//! on ephemeral ports and reach the router directly.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::{Identity, Server as GrpcServer, ServerTlsConfig};
+use tonic_health::ServingStatus;
+
+use crate::config::Config;
+use crate::extproc::ExtProcService;
+use crate::extproc::stream::StreamOptions;
+use crate::metrics::Metrics;
+use crate::router::Router;
+
+/// The gRPC health service names a gateway or the kubelet may ask for.
+pub const HEALTH_SERVICES: [&str; 4] = [
+    "liveness",
+    "readiness",
+    "inference-extension",
+    "envoy.service.ext_proc.v3.ExternalProcessor",
+];
+
+/// Why the server could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// A listener could not bind.
+    #[error("cannot listen on {addr} ({what}): {source}")]
+    Bind {
+        /// Which listener.
+        what: &'static str,
+        /// The address.
+        addr: SocketAddr,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// TLS material could not be loaded or generated.
+    #[error("TLS: {0}")]
+    Tls(String),
+}
+
+/// A running server.
+pub struct Server {
+    /// The router every listener shares.
+    pub router: Arc<Router>,
+    /// Bound ext_proc address.
+    pub grpc_addr: SocketAddr,
+    /// Bound health address.
+    pub health_addr: SocketAddr,
+    /// Bound metrics address.
+    pub metrics_addr: SocketAddr,
+    shutdown: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, ServeError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| ServeError::Bind { what, addr, source })
+}
+
+fn tls_identity(config: &Config) -> Result<Identity, ServeError> {
+    match &config.server.cert_path {
+        Some(dir) => {
+            let read = |name: &str| {
+                std::fs::read(dir.join(name))
+                    .map_err(|e| ServeError::Tls(format!("{}: {e}", dir.join(name).display())))
+            };
+            Ok(Identity::from_pem(read("tls.crt")?, read("tls.key")?))
+        }
+        None => {
+            let names = vec!["localhost".to_owned(), "kv-epp".to_owned()];
+            let ck = rcgen::generate_simple_self_signed(names)
+                .map_err(|e| ServeError::Tls(format!("self-signed certificate: {e}")))?;
+            tracing::info!("serving ext_proc over TLS with a generated self-signed certificate");
+            Ok(Identity::from_pem(
+                ck.cert.pem(),
+                ck.signing_key.serialize_pem(),
+            ))
+        }
+    }
+}
+
+impl Server {
+    /// Binds every listener and starts serving. Ports of 0 bind ephemeral ports.
+    pub async fn start(config: &Config) -> Result<Server, ServeError> {
+        let metrics = Arc::new(Metrics::new());
+        let router = Arc::new(Router::new(config, metrics.clone()));
+        let ip = config.server.bind_address;
+        let grpc = bind("ext_proc", SocketAddr::new(ip, config.server.grpc_port)).await?;
+        let health = bind(
+            "health",
+            SocketAddr::new(ip, config.server.grpc_health_port),
+        )
+        .await?;
+        let metrics_l = bind("metrics", SocketAddr::new(ip, config.server.metrics_port)).await?;
+        let (grpc_addr, health_addr, metrics_addr) =
+            (local(&grpc), local(&health), local(&metrics_l));
+        let (shutdown, rx) = watch::channel(false);
+        let mut tasks = Vec::new();
+
+        let opts = StreamOptions {
+            max_body_bytes: config.routing.max_body_bytes,
+            retry_after_seconds: config.routing.retry_after_seconds,
+            conformance_hooks: config.routing.conformance_hooks,
+        };
+        let service = ExternalProcessorServer::new(ExtProcService::new(router.clone(), opts))
+            .max_decoding_message_size(config.routing.max_body_bytes.max(4 << 20) + (1 << 20));
+        let mut builder = GrpcServer::builder();
+        if config.server.secure_serving {
+            builder = builder
+                .tls_config(ServerTlsConfig::new().identity(tls_identity(config)?))
+                .map_err(|e| ServeError::Tls(e.to_string()))?;
+        }
+        let router_svc = builder.add_service(service);
+        let mut stop = rx.clone();
+        tasks.push(tokio::spawn(async move {
+            let done = async move {
+                let _ = stop.wait_for(|s| *s).await;
+            };
+            if let Err(e) = router_svc
+                .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), done)
+                .await
+            {
+                tracing::error!(error = %e, "ext_proc server stopped");
+            }
+        }));
+
+        let (reporter, health_svc) = tonic_health::server::health_reporter();
+        for name in HEALTH_SERVICES {
+            reporter
+                .set_service_status(name, ServingStatus::Serving)
+                .await;
+        }
+        let mut stop = rx.clone();
+        tasks.push(tokio::spawn(async move {
+            let _keep = reporter;
+            let done = async move {
+                let _ = stop.wait_for(|s| *s).await;
+            };
+            if let Err(e) = GrpcServer::builder()
+                .add_service(health_svc)
+                .serve_with_incoming_shutdown(TcpListenerStream::new(health), done)
+                .await
+            {
+                tracing::error!(error = %e, "health server stopped");
+            }
+        }));
+
+        let app = axum::Router::new().route(
+            "/metrics",
+            axum::routing::get(move || {
+                let m = metrics.clone();
+                async move {
+                    (
+                        [(
+                            axum::http::header::CONTENT_TYPE,
+                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        )],
+                        m.encode(),
+                    )
+                }
+            }),
+        );
+        let mut stop = rx.clone();
+        tasks.push(tokio::spawn(async move {
+            let done = async move {
+                let _ = stop.wait_for(|s| *s).await;
+            };
+            if let Err(e) = axum::serve(metrics_l, app)
+                .with_graceful_shutdown(done)
+                .await
+            {
+                tracing::error!(error = %e, "metrics server stopped");
+            }
+        }));
+        tracing::info!(%grpc_addr, %health_addr, %metrics_addr, "kv-epp serving");
+        Ok(Server {
+            router,
+            grpc_addr,
+            health_addr,
+            metrics_addr,
+            shutdown,
+            tasks,
+        })
+    }
+
+    /// Stops every listener and waits for them.
+    pub async fn stop(self) {
+        let _ = self.shutdown.send(true);
+        for t in self.tasks {
+            let _ = t.await;
+        }
+    }
+}
+
+fn local(l: &TcpListener) -> SocketAddr {
+    l.local_addr()
+        .expect("a bound listener has a local address")
+}

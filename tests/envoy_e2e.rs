@@ -1,0 +1,393 @@
+//! Black-box tests through a real Envoy 1.40: clients talk HTTP to Envoy, Envoy streams each
+//! request to an in-process kv-epp over ext_proc, and forwards it to the fake worker kv-epp picked.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use common::*;
+use kv_epp::hashing::HashSeed;
+use kv_epp::index::{EngineBlockHash, Medium, StoreBlocks};
+use kv_epp::server::Server;
+use kv_epp::worker::WorkerId;
+
+/// Seeds `worker` as holding `tokens` (block size 4) under `salt`.
+fn seed(server: &Server, worker: SocketAddr, tokens: &[u32], salt: Option<&str>) {
+    let hashes: Vec<EngineBlockHash> = (0..tokens.len() / 4)
+        .map(|i| EngineBlockHash(1000 + i as u64))
+        .collect();
+    server
+        .router
+        .index("m")
+        .unwrap()
+        .store(
+            &WorkerId::new(worker),
+            &StoreBlocks {
+                parent: None,
+                root_seed: HashSeed::new(None, salt),
+                engine_hashes: &hashes,
+                tokens: &tokens[..hashes.len() * 4],
+                medium: Medium::Device,
+            },
+        )
+        .unwrap();
+}
+
+fn prompt_body(tokens: &[u32], extra: &str) -> Vec<u8> {
+    format!(
+        r#"{{"model":"m","prompt":{}{extra}}}"#,
+        serde_json::to_string(tokens).unwrap()
+    )
+    .into_bytes()
+}
+
+struct Rig {
+    server: Server,
+    envoy: Envoy,
+    ups: Vec<Upstream>,
+}
+
+impl Rig {
+    async fn start(shape: EnvoyShape, workers: usize, extra: &str) -> Option<Rig> {
+        let bin = envoy_binary()?;
+        let mut ups = Vec::new();
+        for _ in 0..workers {
+            ups.push(Upstream::start().await);
+        }
+        let addrs: Vec<SocketAddr> = ups.iter().map(|u| u.addr).collect();
+        let server = Server::start(&kv_epp_config(&addrs, extra)).await.unwrap();
+        let envoy = Envoy::start(&bin, shape, server.grpc_addr.port()).await;
+        Some(Rig { server, envoy, ups })
+    }
+
+    fn addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.envoy.port))
+    }
+
+    async fn post(&self, headers: &[(&str, &str)], body: &[u8]) -> HttpResponse {
+        let mut h = vec![("content-type", "application/json")];
+        h.extend_from_slice(headers);
+        http(self.addr(), "POST", "/v1/completions", &h, body)
+            .await
+            .expect("request through envoy")
+    }
+
+    async fn metrics(&self) -> String {
+        http(self.server.metrics_addr, "GET", "/metrics", &[], b"")
+            .await
+            .unwrap()
+            .text()
+    }
+}
+
+fn metric(text: &str, prefix: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[test]
+fn shipped_envoy_configs_validate() {
+    let Some(bin) = envoy_binary() else { return };
+    for file in ["envoy.yaml", "envoy-buffered.yaml"] {
+        let path = format!("{}/deploy/envoy/{file}", env!("CARGO_MANIFEST_DIR"));
+        let out = std::process::Command::new(&bin)
+            .args(["--mode", "validate", "-c", &path, "--use-dynamic-base-id"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{file}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+async fn prefix_holder_gets_big_body_and_sse_intact(shape: EnvoyShape) {
+    let Some(rig) = Rig::start(shape, 3, "").await else {
+        return;
+    };
+    let tokens: Vec<u32> = (0..64).collect();
+    let holder = rig.ups[2].addr;
+    seed(&rig.server, holder, &tokens, None);
+    // A 1 MiB body: the prompt plus padding the engine ignores.
+    let head = prompt_body(&tokens, r#","stream":true,"pad":""#);
+    let pad = 1_048_576 - (head.len() - 1) - 2;
+    let mut body = head[..head.len() - 1].to_vec();
+    body.extend(std::iter::repeat_n(b'x', pad));
+    body.extend_from_slice(b"\"}");
+    assert_eq!(body.len(), 1_048_576);
+    for _ in 0..3 {
+        let r = rig.post(&[], &body).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.header("x-served-by"), Some(holder.to_string().as_str()));
+        assert_eq!(r.body, sse_body(holder), "SSE arrives byte-identical");
+        let got = rig.ups[2].last().unwrap();
+        assert_eq!(
+            got.body.as_ref(),
+            body.as_slice(),
+            "body arrives byte-identical"
+        );
+        assert_eq!(
+            got.headers
+                .get("x-gateway-destination-endpoint")
+                .map(|v| v.to_str().unwrap()),
+            Some(holder.to_string().as_str())
+        );
+    }
+    assert_eq!(rig.ups[0].count() + rig.ups[1].count(), 0);
+    if shape == EnvoyShape::FullDuplex {
+        // The response passes through kv-epp only when the response body mode streams it.
+        let m = rig.metrics().await;
+        assert!(
+            m.contains("kv_epp_usage_tokens_total{model=\"m\",kind=\"completion\"} 60"),
+            "usage parsed from SSE: {m}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_duplex_routes_to_prefix_holder_with_exact_bodies() {
+    prefix_holder_gets_big_body_and_sse_intact(EnvoyShape::FullDuplex).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buffered_routes_to_prefix_holder_with_exact_bodies() {
+    prefix_holder_gets_big_body_and_sse_intact(EnvoyShape::Buffered).await;
+}
+
+async fn routes_with_one_mechanism(shape: EnvoyShape) {
+    let Some(rig) = Rig::start(shape, 2, "").await else {
+        return;
+    };
+    let tokens: Vec<u32> = (100..132).collect();
+    let holder = rig.ups[0].addr;
+    let other = rig.ups[1].addr;
+    seed(&rig.server, holder, &tokens, None);
+    // The client asks for the other worker; kv-epp's choice must win.
+    let r = rig
+        .post(
+            &[("x-gateway-destination-endpoint", &other.to_string())],
+            &prompt_body(&tokens, ""),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-served-by"), Some(holder.to_string().as_str()));
+    assert_eq!(rig.ups[1].count(), 0);
+    let got = rig.ups[0].last().unwrap();
+    let dests: Vec<_> = got
+        .headers
+        .get_all("x-gateway-destination-endpoint")
+        .iter()
+        .collect();
+    assert_eq!(
+        dests.len(),
+        1,
+        "the client's copy is overwritten, not appended"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metadata_alone_routes_and_client_header_cannot_choose() {
+    routes_with_one_mechanism(EnvoyShape::MetadataOnly).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn header_alone_routes_and_client_header_cannot_choose() {
+    routes_with_one_mechanism(EnvoyShape::HeaderOnly).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_on_the_ext_proc_port_with_a_generated_certificate() {
+    let Some(rig) = Rig::start(
+        EnvoyShape::FullDuplexTls,
+        2,
+        "server: {bind_address: 127.0.0.1, grpc_port: 0, grpc_health_port: 0, metrics_port: 0, secure_serving: true}",
+    )
+    .await
+    else {
+        return;
+    };
+    let tokens: Vec<u32> = (40..72).collect();
+    seed(&rig.server, rig.ups[1].addr, &tokens, None);
+    let r = rig.post(&[], &prompt_body(&tokens, "")).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        r.header("x-served-by"),
+        Some(rig.ups[1].addr.to_string().as_str())
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenant_salt_gates_cache_credit() {
+    let Some(rig) = Rig::start(EnvoyShape::FullDuplex, 2, "").await else {
+        return;
+    };
+    let tokens: Vec<u32> = (500..532).collect();
+    let holder = rig.ups[1].addr;
+    seed(&rig.server, holder, &tokens, Some("tenant-a"));
+    let body = prompt_body(&tokens, "");
+    let r = rig.post(&[("x-tenant-id", "tenant-a")], &body).await;
+    assert_eq!(r.header("x-served-by"), Some(holder.to_string().as_str()));
+    let m = rig.metrics().await;
+    assert_eq!(
+        metric(&m, "kv_epp_cached_blocks_total{model=\"m\"}"),
+        8.0,
+        "{m}"
+    );
+    // The same prompt under another tenant (header), and under the body's salt fields.
+    rig.post(&[("x-tenant-id", "tenant-b")], &body).await;
+    rig.post(&[], &prompt_body(&tokens, r#","cache_salt":"tenant-b""#))
+        .await;
+    rig.post(&[], &body).await;
+    let m = rig.metrics().await;
+    assert_eq!(
+        metric(&m, "kv_epp_cached_blocks_total{model=\"m\"}"),
+        8.0,
+        "no credit for other tenants or unsalted"
+    );
+    assert_eq!(metric(&m, "kv_epp_prompt_blocks_total{model=\"m\"}"), 32.0);
+    // A body salt equal to tenant-a gets the credit too (same namespace, any source).
+    let r = rig
+        .post(
+            &[],
+            &prompt_body(&tokens, r#","nvext":{"cache_salt":"tenant-a"}"#),
+        )
+        .await;
+    assert_eq!(r.header("x-served-by"), Some(holder.to_string().as_str()));
+    assert!(
+        !m.contains("tenant-a") && !rig.metrics().await.contains("tenant-a"),
+        "no raw salt in metrics"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_sees_kv_epp_rejections_with_reasons() {
+    let Some(rig) = Rig::start(
+        EnvoyShape::FullDuplex,
+        1,
+        "routing: {max_body_bytes: 4096, max_inflight_per_worker: 1, unknown_model: reject, retry_after_seconds: 3}",
+    )
+    .await
+    else {
+        return;
+    };
+    let r = rig.post(&[], b"{not json").await;
+    assert_eq!(r.status, 400);
+    assert!(r.text().contains("not a JSON object"), "{}", r.text());
+    let r = rig.post(&[], br#"{"prompt":[1,2]}"#).await;
+    assert_eq!(r.status, 400);
+    assert!(r.text().contains("model"));
+    let r = rig.post(&[], br#"{"model":"other","prompt":[1]}"#).await;
+    assert_eq!(r.status, 404);
+    let big = prompt_body(&(0..2000).collect::<Vec<u32>>(), "");
+    let r = rig.post(&[], &big).await;
+    assert_eq!(r.status, 413);
+    assert!(r.text().contains("limit of 4096 bytes"), "{}", r.text());
+    // Occupy the only worker, then the next request is shed with 429 + Retry-After.
+    let slow = tokio::spawn({
+        let addr = rig.addr();
+        async move {
+            http(
+                addr,
+                "POST",
+                "/v1/completions",
+                &[("content-type", "application/json")],
+                br#"{"model":"m","prompt":[1],"delay_ms":1500}"#,
+            )
+            .await
+            .unwrap()
+        }
+    });
+    assert!(eventually(5, || rig.server.router.total_inflight() == 1).await);
+    let r = rig.post(&[], br#"{"model":"m","prompt":[1]}"#).await;
+    assert_eq!(r.status, 429);
+    assert_eq!(r.header("retry-after"), Some("3"));
+    assert_eq!(
+        r.header("x-llm-d-request-dropped-reason"),
+        Some("rejected-saturated")
+    );
+    assert_eq!(slow.await.unwrap().status, 200);
+    assert!(eventually(5, || rig.server.router.total_inflight() == 0).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_ready_endpoint_is_503() {
+    let Some(bin) = envoy_binary() else { return };
+    let config = kv_epp_config(&[], "");
+    let server = Server::start(&config).await.unwrap();
+    let envoy = Envoy::start(&bin, EnvoyShape::FullDuplex, server.grpc_addr.port()).await;
+    let r = http(
+        ("127.0.0.1", envoy.port),
+        "POST",
+        "/v1/completions",
+        &[("content-type", "application/json")],
+        br#"{"model":"m","prompt":[1]}"#,
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status, 503);
+    assert!(r.text().contains("no ready endpoint"), "{}", r.text());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_with_aborts_leave_no_bookings() {
+    let Some(rig) = Rig::start(EnvoyShape::FullDuplex, 4, "").await else {
+        return;
+    };
+    let addr = rig.addr();
+    let mut tasks = Vec::new();
+    for i in 0..200u32 {
+        let tokens: Vec<u32> = (i % 7 * 100..i % 7 * 100 + 40).collect();
+        let body = prompt_body(
+            &tokens,
+            if i % 2 == 0 {
+                r#","stream":true,"delay_ms":200"#
+            } else {
+                r#","pad":"0123456789012345678901234567890123456789""#
+            },
+        );
+        tasks.push(tokio::spawn(async move {
+            match i % 10 {
+                3 => {
+                    abort_mid_body(addr, "/v1/completions", &body, body.len() / 2).await;
+                    None
+                }
+                6 => {
+                    abort_mid_response(addr, "/v1/completions", &body).await;
+                    None
+                }
+                _ => Some(
+                    http(
+                        addr,
+                        "POST",
+                        "/v1/completions",
+                        &[("content-type", "application/json")],
+                        &body,
+                    )
+                    .await
+                    .map(|r| (r.status, r.text())),
+                ),
+            }
+        }));
+    }
+    let mut ok = 0;
+    for t in tasks {
+        if let Some(r) = t.await.unwrap() {
+            let (status, text) = r.expect("completed request");
+            assert_eq!(status, 200, "{text}");
+            ok += 1;
+        }
+    }
+    assert_eq!(ok, 160);
+    assert!(
+        eventually(10, || rig.server.router.total_inflight() == 0).await,
+        "bookings leaked: {}",
+        rig.server.router.total_inflight()
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(rig.server.router.total_inflight(), 0);
+}

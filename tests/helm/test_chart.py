@@ -671,3 +671,21 @@ def test_dockerfile_exposes_the_chart_ports(chart):
     ie = chart.values["inferenceExtension"]
     assert exposed == {ie[k] for k in ("extProcPort", "grpcHealthPort", "metricsPort", "adminPort", "peerPort")}
     assert re.search(r"^USER 65532", dockerfile, re.M), "runs as the non-root user the chart expects"
+
+
+def helm_install_values(readme: Path) -> dict:
+    """The values of the `helm install` command in a README, as Helm's --set parser reads them."""
+    text = readme.read_text()
+    command = re.search(r"^helm install llama deploy/helm/kv-epp(.*?)(?<!\\)\n", text, re.M | re.S)
+    assert command, f"no `helm install llama deploy/helm/kv-epp` in {readme}"
+    sets = re.findall(r"--set\s+('([^']*)'|(\S+))", command.group(1))
+    assert sets, f"the install command in {readme} sets no values"
+    return helm_python.parse_set_string(",".join(quoted or bare for _, quoted, bare in sets))
+
+
+@pytest.mark.parametrize("readme", [ROOT / "README.md", GATEWAY / "README.md"], ids=["README", "gateway-README"])
+def test_documented_install_commands_render(chart, readme):
+    values = helm_install_values(readme)
+    r = render(chart, values)
+    assert r.config["models"] == [{"name": "meta-llama/Llama-3.1-8B-Instruct", "block_size": 16}]
+    assert r.container["image"].startswith("registry.example.com/kv-epp/kv-epp:")

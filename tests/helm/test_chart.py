@@ -198,10 +198,10 @@ def test_args_follow_the_kv_epp_cli(chart):
 
 
 def test_extra_flags_follow_the_chart_flags(chart):
-    args = render(
-        chart, merged({"inferenceExtension": {"flags": {"log-format": "json", "verbose": True, "quiet": False}}})
-    ).container["args"]
-    assert args[-2:] == ["--log-format=json", "--verbose"]
+    flags = {"log-format": "json", "verbose": True, "quiet": False, "scrape-batch": 1000000, "ratio": 0.5}
+    args = render(chart, merged({"inferenceExtension": {"flags": flags}})).container["args"]
+    # Helm ranges over a map in key order.
+    assert args[-4:] == ["--log-format=json", "--ratio=0.5", "--scrape-batch=1000000", "--verbose"]
     assert not any(a.startswith("--quiet") for a in args)
 
 

@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 TRACE ?=
 
-.PHONY: demo demo-quick test tools lint unit bench fmt clean
+.PHONY: demo demo-quick test tools lint unit helm-test bench fmt clean
 
 ## The main job on an embedded default workload.
 demo:
@@ -14,8 +14,9 @@ demo-quick:
 	$(MAKE) demo DEMO_ARGS=--quick
 
 ## Installs what the tests need (Python venv with real Envoy, reference tokenizers, ...), then
-## runs every check: formatting, clippy with warnings denied, unit/property/black-box tests.
-test: tools lint unit
+## runs every check: formatting, clippy with warnings denied, unit/property/black-box tests,
+## and the Helm chart rendered by the real Helm engine.
+test: tools lint unit helm-test
 
 tools:
 	bash scripts/setup-venv.sh
@@ -26,6 +27,10 @@ lint:
 
 unit:
 	KV_EPP_VENV=$(CURDIR)/.venv $(CARGO) test --all-targets
+
+## The Helm chart (deploy/helm/kv-epp) rendered with several value sets; no cluster needed.
+helm-test:
+	.venv/bin/python -m pytest -q tests/helm
 
 ## Benchmarks print figures as ratios against a baseline measured in the same run.
 ## TRACE=path/to/mooncake.jsonl adds a trace-driven run.

@@ -1,0 +1,691 @@
+"""The kv-epp Helm chart, rendered by the real Helm v4 engine (helm-python-sdk, no cluster).
+
+Each test renders the chart with a value set a platform team would use and checks the manifests
+that Kubernetes would receive: ports, probes, arguments, RBAC, security context, the config file
+kv-epp reads, and that the schema and the templates refuse bad values with a message naming them.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+try:
+    import helm_python
+    import yaml
+except ImportError as missing:  # pragma: no cover - depends on the environment
+    if os.environ.get("CI") == "true":
+        raise ImportError(
+            f"{missing}: the chart tests need helm-python-sdk and PyYAML from "
+            "requirements-test.txt (run `make tools`)"
+        ) from missing
+    pytest.skip(f"{missing}; run `make tools` to install the Helm engine", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "kv-epp"
+GATEWAY = ROOT / "deploy" / "gateway"
+RELEASE = "llama"
+NAMESPACE = "ai"
+FULLNAME = "llama-kv-epp"
+
+# The one value the chart cannot default: which pods are the model servers.
+BASE = {"inferencePool": {"modelServers": {"matchLabels": {"app": "vllm-llama"}}}}
+
+
+def merged(*overrides: dict) -> dict:
+    """BASE with each override merged in (nested dicts merge, everything else replaces)."""
+
+    def merge(into: dict, top: dict) -> dict:
+        for key, value in top.items():
+            if isinstance(value, dict) and isinstance(into.get(key), dict):
+                merge(into[key], value)
+            else:
+                into[key] = copy.deepcopy(value)
+        return into
+
+    out = copy.deepcopy(BASE)
+    for o in overrides:
+        merge(out, o)
+    return out
+
+
+@pytest.fixture(scope="module")
+def chart():
+    with helm_python.Chart.load(str(CHART)) as c:
+        yield c
+
+
+class Rendered:
+    """The manifests of one render, indexed by kind and name."""
+
+    def __init__(self, files: dict[str, str]):
+        self.notes = files.get("kv-epp/templates/NOTES.txt", "")
+        self.docs = [
+            doc
+            for name, text in files.items()
+            if name.endswith(".yaml")
+            for doc in yaml.safe_load_all(text)
+            if doc
+        ]
+
+    def all(self, kind: str) -> list[dict]:
+        return [d for d in self.docs if d["kind"] == kind]
+
+    def one(self, kind: str, name: str | None = None) -> dict:
+        found = [d for d in self.all(kind) if name is None or d["metadata"]["name"] == name]
+        assert len(found) == 1, f"expected one {kind} {name or ''}, got {len(found)}"
+        return found[0]
+
+    def kinds(self) -> list[str]:
+        return sorted(d["kind"] for d in self.docs)
+
+    @property
+    def container(self) -> dict:
+        return self.one("Deployment")["spec"]["template"]["spec"]["containers"][0]
+
+    @property
+    def pod(self) -> dict:
+        return self.one("Deployment")["spec"]["template"]["spec"]
+
+    @property
+    def config(self) -> dict:
+        return yaml.safe_load(self.one("ConfigMap")["data"]["config.yaml"])
+
+
+def render(chart, values: dict) -> Rendered:
+    return Rendered(chart.render(values, name=RELEASE, namespace=NAMESPACE))
+
+
+def render_error(chart, values: dict) -> str:
+    with pytest.raises(helm_python.HelmError) as err:
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    return str(err.value)
+
+
+# --- lint and defaults ------------------------------------------------------------------------
+
+
+def test_lint_is_clean(chart):
+    report = helm_python.lint(str(CHART), BASE, strict=True, namespace=NAMESPACE)
+    assert report["errors"] == []
+    serious = [m for m in report["messages"] if m["severity"] >= 2]
+    assert serious == [], serious
+
+
+def test_default_values_satisfy_the_schema(chart):
+    chart.validate_schema(chart.values)
+
+
+def test_defaults_need_the_model_server_labels(chart):
+    message = render_error(chart, {})
+    assert "inferencePool.modelServers.matchLabels is required" in message
+
+
+def test_defaults_render_the_picker_and_its_pool(chart):
+    r = render(chart, BASE)
+    assert r.kinds() == sorted(
+        [
+            "ConfigMap",
+            "Deployment",
+            "InferencePool",
+            "Role",
+            "RoleBinding",
+            "Secret",
+            "Secret",
+            "Service",
+            "Service",
+            "ServiceAccount",
+        ]
+    )
+    for doc in r.docs:
+        assert doc["metadata"]["namespace"] == NAMESPACE
+        assert len(doc["metadata"]["name"]) <= 63
+        assert doc["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
+    assert "InferencePool \"llama\"" in r.notes
+
+
+def test_service_ports_and_app_protocols(chart):
+    r = render(chart, BASE)
+    ports = {p["name"]: p for p in r.one("Service", FULLNAME)["spec"]["ports"]}
+    assert {n: (p["port"], p.get("appProtocol")) for n, p in ports.items()} == {
+        "grpc-ext-proc": (9002, "http2"),
+        "grpc-health": (9003, "grpc"),
+        "http-metrics": (9090, "http"),
+        "admin": (9091, "http"),
+        "peer": (9004, "grpc"),
+    }
+    container_ports = {p["name"]: p["containerPort"] for p in r.container["ports"]}
+    for p in ports.values():
+        assert container_ports[p["targetPort"]] == p["port"]
+
+
+def test_headless_peer_service_lists_every_replica(chart):
+    r = render(chart, BASE)
+    peers = r.one("Service", f"{FULLNAME}-peers")["spec"]
+    assert peers["clusterIP"] == "None"
+    assert peers["publishNotReadyAddresses"] is True
+    assert [(p["name"], p["port"]) for p in peers["ports"]] == [("peer", 9004)]
+    deployment_labels = r.one("Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert peers["selector"].items() <= deployment_labels.items()
+    assert r.config["peers"] == {"service": f"{FULLNAME}-peers"}
+
+
+def test_probes_use_grpc_health_service_names(chart):
+    c = render(chart, BASE).container
+    assert c["livenessProbe"]["grpc"] == {"port": 9003, "service": "liveness"}
+    assert c["readinessProbe"]["grpc"] == {"port": 9003, "service": "readiness"}
+    assert c["startupProbe"]["grpc"] == {"port": 9003, "service": "liveness"}
+
+
+def test_args_follow_the_kv_epp_cli(chart):
+    assert render(chart, BASE).container["args"] == [
+        "serve",
+        "--config-file=/etc/kv-epp/config.yaml",
+        "--pool-name=llama",
+        "--pool-namespace=ai",
+        "--grpc-port=9002",
+        "--grpc-health-port=9003",
+        "--metrics-port=9090",
+        "--admin-port=9091",
+        "--peer-port=9004",
+        "--peer-token-file=/var/run/secrets/kv-epp/peer-auth/token",
+        "--secure-serving",
+    ]
+
+
+def test_extra_flags_follow_the_chart_flags(chart):
+    flags = {"log-format": "json", "verbose": True, "quiet": False, "scrape-batch": 1000000, "ratio": 0.5}
+    args = render(chart, merged({"inferenceExtension": {"flags": flags}})).container["args"]
+    # Helm ranges over a map in key order.
+    assert args[-4:] == ["--log-format=json", "--ratio=0.5", "--scrape-batch=1000000", "--verbose"]
+    assert not any(a.startswith("--quiet") for a in args)
+
+
+def test_namespace_and_pod_identity_come_from_the_downward_api(chart):
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in render(chart, BASE).container["env"]}
+    assert env == {"NAMESPACE": "metadata.namespace", "POD_NAME": "metadata.name", "POD_IP": "status.podIP"}
+
+
+def test_security_context_is_locked_down(chart):
+    r = render(chart, BASE)
+    sc = r.container["securityContext"]
+    assert sc["runAsNonRoot"] is True
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    pod_sc = r.pod["securityContext"]
+    assert pod_sc["runAsNonRoot"] is True and pod_sc["runAsUser"] != 0
+    assert pod_sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    # Writable scratch space exists because the root filesystem is read-only.
+    mounts = {m["name"]: m for m in r.container["volumeMounts"]}
+    assert mounts["tmp"]["mountPath"] == "/tmp"
+    assert all(m.get("readOnly") for n, m in mounts.items() if n != "tmp")
+
+
+def test_replicas_spread_over_nodes_by_default(chart):
+    affinity = render(chart, BASE).pod["affinity"]["podAntiAffinity"]
+    term = affinity["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"]["app.kubernetes.io/instance"] == RELEASE
+    hard = render(chart, merged({"inferenceExtension": {"podAntiAffinity": "hard"}})).pod["affinity"]
+    assert "requiredDuringSchedulingIgnoredDuringExecution" in hard["podAntiAffinity"]
+    assert "affinity" not in render(chart, merged({"inferenceExtension": {"podAntiAffinity": "none"}})).pod
+
+
+# --- RBAC ----------------------------------------------------------------------------------
+
+
+def test_rbac_is_read_only_and_namespaced(chart):
+    r = render(chart, BASE)
+    assert r.one("Role")["rules"] == [
+        {
+            "apiGroups": ["inference.networking.k8s.io", "inference.networking.x-k8s.io"],
+            "resources": ["inferencepools"],
+            "verbs": ["get", "list", "watch"],
+        },
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+    ]
+    binding = r.one("RoleBinding")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": FULLNAME}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": FULLNAME, "namespace": NAMESPACE}]
+    assert r.pod["serviceAccountName"] == FULLNAME
+    assert r.all("ClusterRole") == [] and r.all("ClusterRoleBinding") == []
+
+
+def test_metrics_auth_adds_only_the_two_reviews(chart):
+    r = render(
+        chart,
+        merged(
+            {
+                "inferenceExtension": {
+                    "monitoring": {
+                        "interval": "15s",
+                        "prometheus": {"enabled": True, "auth": {"enabled": True, "secretName": "scraper-token"}},
+                    }
+                }
+            }
+        ),
+    )
+    assert r.one("ClusterRole")["rules"] == [
+        {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]},
+        {"apiGroups": ["authorization.k8s.io"], "resources": ["subjectaccessreviews"], "verbs": ["create"]},
+    ]
+    crb = r.one("ClusterRoleBinding")
+    assert crb["roleRef"]["name"] == r.one("ClusterRole")["metadata"]["name"]
+    assert crb["subjects"] == [{"kind": "ServiceAccount", "name": FULLNAME, "namespace": NAMESPACE}]
+    endpoint = r.one("ServiceMonitor")["spec"]["endpoints"][0]
+    assert endpoint["port"] == "http-metrics" and endpoint["interval"] == "15s"
+    assert endpoint["authorization"]["credentials"] == {"name": "scraper-token", "key": "token"}
+    assert r.config["server"]["metrics_auth"] is True
+
+
+def test_service_monitor_scrapes_the_metrics_port(chart):
+    r = render(chart, merged({"inferenceExtension": {"monitoring": {"prometheus": {"enabled": True}}}}))
+    sm = r.one("ServiceMonitor")
+    assert sm["spec"]["endpoints"] == [{"port": "http-metrics", "path": "/metrics", "scheme": "http", "interval": "10s"}]
+    assert sm["spec"]["selector"]["matchLabels"].items() <= r.one("Service", FULLNAME)["metadata"]["labels"].items()
+    assert "metrics_auth" not in r.config["server"]
+    assert r.all("ClusterRole") == []
+
+
+# --- replicas ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_replicas_and_disruption_budget(chart, replicas):
+    r = render(chart, merged({"inferenceExtension": {"replicas": replicas}}))
+    assert r.one("Deployment")["spec"]["replicas"] == replicas
+    pdbs = r.all("PodDisruptionBudget")
+    if replicas == 1:
+        assert pdbs == []
+    else:
+        (pdb,) = pdbs
+        assert pdb["spec"]["maxUnavailable"] == 1
+        assert pdb["spec"]["selector"] == r.one("Deployment")["spec"]["selector"]
+
+
+# --- the config file ---------------------------------------------------------------------------
+
+FULL_CONFIG = {
+    "server": {"bind_address": "::"},
+    "routing": {
+        "max_body_bytes": 8388608,
+        "max_inflight_per_worker": 32,
+        "retry_after_seconds": 2,
+        "fallbacks": 0,
+        "unknown_model": "reject",
+        "conformance_hooks": True,
+    },
+    "scoring": {
+        "prefix_weight": 4.5,
+        "queue_weight": 1.0,
+        "kv_usage_weight": 0.5,
+        "offload_credit": 0.25,
+        "queue_scale": 8.0,
+        "temperature": 0.1,
+        "max_fallbacks": 1,
+    },
+    "salt": {"sources": ["header"], "required": True},
+    "index": {"capacity": 1000000, "max_blocks_per_worker": 200000},
+    "models": [
+        {
+            "name": "meta-llama/Llama-3.1-8B-Instruct",
+            "block_size": 16,
+            "lora_adapters": ["support-bot", "sql-bot"],
+            "tokenizer": {"path": "/tokenizers/llama-3.1-8b"},
+        },
+        {"name": "Qwen/Qwen3-0.6B", "block_size": 32},
+    ],
+    "events": {"engine": "", "zmq": {"port": 6000, "replay_port": 0, "topic": "kv"}, "trtllm": {"poll_interval_ms": 100}},
+    "workers": [{"endpoint": "10.0.0.11:8000", "model": "Qwen/Qwen3-0.6B", "dp_rank": 1}],
+}
+TOKENIZERS = {"volume": {"persistentVolumeClaim": {"claimName": "tokenizers", "readOnly": True}}, "mountPath": "/tokenizers"}
+
+
+def test_config_file_matches_the_values(chart):
+    r = render(chart, merged({"config": FULL_CONFIG, "inferenceExtension": {"tokenizers": TOKENIZERS}}))
+    cfg = r.config
+    for section in ("routing", "scoring", "index", "models", "workers"):
+        assert cfg[section] == FULL_CONFIG[section], section
+    assert cfg["salt"] == {
+        "sources": ["header"],
+        "required": True,
+        "fingerprint_key_file": "/var/run/secrets/kv-epp/salt/fingerprint-key",
+    }
+    assert cfg["server"] == {
+        "bind_address": "::",
+        "grpc_port": 9002,
+        "grpc_health_port": 9003,
+        "metrics_port": 9090,
+        "secure_serving": True,
+    }
+    assert cfg["pool"] == {"name": RELEASE, "namespace": NAMESPACE}
+    assert cfg["events"] == {"engine": "vllm", "zmq": {"port": 6000, "replay_port": 0, "topic": "kv"}}
+    # The file is mounted where --config-file points.
+    mount = next(m for m in r.container["volumeMounts"] if m["name"] == "config")
+    assert f"--config-file={mount['mountPath']}/config.yaml" in r.container["args"]
+    assert next(v for v in r.pod["volumes"] if v["name"] == "config")["configMap"]["name"] == FULLNAME
+
+
+def test_default_config_sections_match_the_example_config_file(chart):
+    """Drift check: the chart's config defaults carry the same keys and values as the documented
+    example (deploy/examples/kv-epp.yaml) for the sections config.rs reads."""
+    example = yaml.safe_load((ROOT / "deploy" / "examples" / "kv-epp.yaml").read_text())
+    cfg = render(chart, BASE).config
+    for section in ("routing", "scoring", "index"):
+        assert set(cfg[section]) >= set(example[section]), section
+        for key, value in example[section].items():
+            assert cfg[section][key] == value, f"{section}.{key}"
+    assert cfg["salt"]["sources"] == example["salt"]["sources"]
+    assert cfg["salt"]["required"] == example["salt"]["required"]
+    for key in ("grpc_port", "grpc_health_port", "metrics_port", "bind_address"):
+        assert str(cfg["server"][key]) == str(example["server"][key]), key
+
+
+def test_config_change_rolls_the_pods(chart):
+    def checksum(values):
+        return render(chart, values).one("Deployment")["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+
+    assert checksum(BASE) == checksum(BASE)
+    assert checksum(BASE) != checksum(merged({"config": {"scoring": {"temperature": 0.5}}}))
+
+
+def test_tokenizer_volume_is_mounted_read_only(chart):
+    r = render(chart, merged({"config": FULL_CONFIG, "inferenceExtension": {"tokenizers": TOKENIZERS}}))
+    mount = next(m for m in r.container["volumeMounts"] if m["name"] == "tokenizers")
+    assert mount == {"name": "tokenizers", "mountPath": "/tokenizers", "readOnly": True}
+    volume = next(v for v in r.pod["volumes"] if v["name"] == "tokenizers")
+    assert volume["persistentVolumeClaim"] == {"claimName": "tokenizers", "readOnly": True}
+    assert "tokenizers" not in {m["name"] for m in render(chart, BASE).container["volumeMounts"]}
+
+
+def test_tokenizer_path_without_a_volume_is_refused(chart):
+    message = render_error(chart, merged({"config": FULL_CONFIG}))
+    assert "config.models[0].tokenizer is set but inferenceExtension.tokenizers.volume is empty" in message
+
+
+# --- secrets -------------------------------------------------------------------------------
+
+
+def test_generated_secrets_are_mounted_as_files(chart):
+    r = render(chart, BASE)
+    secrets = {s["metadata"]["name"]: s for s in r.all("Secret")}
+    assert set(secrets) == {f"{FULLNAME}-peer-auth", f"{FULLNAME}-salt-key"}
+    assert list(secrets[f"{FULLNAME}-peer-auth"]["data"]) == ["token"]
+    assert list(secrets[f"{FULLNAME}-salt-key"]["data"]) == ["fingerprint-key"]
+    volumes = {v["name"]: v for v in r.pod["volumes"]}
+    assert volumes["peer-auth"]["secret"]["secretName"] == f"{FULLNAME}-peer-auth"
+    assert volumes["salt-key"]["secret"]["secretName"] == f"{FULLNAME}-salt-key"
+    # Secret values never appear in the ConfigMap.
+    cm = r.one("ConfigMap")["data"]["config.yaml"]
+    for s in secrets.values():
+        for value in s["data"].values():
+            assert value not in cm
+
+
+def test_existing_secrets_are_used_not_generated(chart):
+    r = render(
+        chart,
+        merged(
+            {
+                "inferenceExtension": {
+                    "peerAuth": {"existingSecret": "kv-epp-peers", "key": "shared"},
+                    "saltFingerprintKey": {"existingSecret": "kv-epp-salt", "key": "k"},
+                }
+            }
+        ),
+    )
+    assert r.all("Secret") == []
+    volumes = {v["name"]: v["secret"] for v in r.pod["volumes"] if "secret" in v}
+    assert volumes["peer-auth"] == {"secretName": "kv-epp-peers", "items": [{"key": "shared", "path": "shared"}]}
+    assert volumes["salt-key"]["secretName"] == "kv-epp-salt"
+    assert "--peer-token-file=/var/run/secrets/kv-epp/peer-auth/shared" in r.container["args"]
+    assert r.config["salt"]["fingerprint_key_file"] == "/var/run/secrets/kv-epp/salt/k"
+
+
+# --- TLS -------------------------------------------------------------------------------------
+
+
+def test_tls_off(chart):
+    r = render(chart, merged({"inferenceExtension": {"tls": {"enabled": False}}}))
+    assert not any(a.startswith(("--secure-serving", "--cert-path")) for a in r.container["args"])
+    assert r.config["server"]["secure_serving"] is False
+    assert "cert_path" not in r.config["server"]
+
+
+def test_tls_with_a_certificate_secret(chart):
+    r = render(chart, merged({"inferenceExtension": {"tls": {"enabled": True, "secretName": "picker-tls"}}}))
+    args = r.container["args"]
+    assert "--secure-serving" in args
+    assert "--cert-path=/var/run/secrets/kv-epp/tls" in args
+    assert r.config["server"]["secure_serving"] is True
+    assert r.config["server"]["cert_path"] == "/var/run/secrets/kv-epp/tls"
+    mount = next(m for m in r.container["volumeMounts"] if m["name"] == "tls")
+    assert mount["mountPath"] == "/var/run/secrets/kv-epp/tls" and mount["readOnly"] is True
+    assert next(v for v in r.pod["volumes"] if v["name"] == "tls")["secret"] == {"secretName": "picker-tls"}
+
+
+def test_self_signed_tls_mounts_no_certificate(chart):
+    r = render(chart, BASE)
+    assert "--secure-serving" in r.container["args"]
+    assert not any(a.startswith("--cert-path") for a in r.container["args"])
+    assert "cert_path" not in r.config["server"]
+
+
+# --- InferencePool and HTTPRoute -----------------------------------------------------------
+
+
+def test_inference_pool_points_at_the_picker_service(chart):
+    r = render(chart, merged({"inferencePool": {"targetPorts": [{"number": 8000}, {"number": 8001}]}}))
+    pool = r.one("InferencePool", RELEASE)
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    spec = pool["spec"]
+    assert spec["selector"] == {"matchLabels": {"app": "vllm-llama"}}
+    assert spec["targetPorts"] == [{"number": 8000}, {"number": 8001}]
+    service = r.one("Service", FULLNAME)
+    ext_proc = next(p for p in service["spec"]["ports"] if p["name"] == "grpc-ext-proc")
+    assert spec["endpointPickerRef"] == {
+        "group": "",
+        "kind": "Service",
+        "name": service["metadata"]["name"],
+        "port": {"number": ext_proc["port"]},
+        "failureMode": "FailClose",
+    }
+
+
+def test_fail_open_and_a_custom_pool_name(chart):
+    r = render(chart, merged({"inferencePool": {"name": "qwen"}, "inferenceExtension": {"failureMode": "FailOpen"}}))
+    pool = r.one("InferencePool", "qwen")
+    assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
+    assert "--pool-name=qwen" in r.container["args"]
+    assert r.config["pool"]["name"] == "qwen"
+
+
+def test_without_the_pool_the_picker_still_serves_it(chart):
+    r = render(chart, {"inferencePool": {"create": False}})
+    assert r.all("InferencePool") == []
+    assert "--pool-name=llama" in r.container["args"]
+    assert "not created by this release" in r.notes
+
+
+def test_older_pool_api(chart):
+    r = render(chart, merged({"inferencePool": {"apiVersion": "inference.networking.x-k8s.io/v1alpha2"}}))
+    pool = r.one("InferencePool")
+    assert pool["apiVersion"] == "inference.networking.x-k8s.io/v1alpha2"
+    assert pool["spec"] == {
+        "selector": {"app": "vllm-llama"},
+        "targetPortNumber": 8000,
+        "extensionRef": {"group": "", "kind": "Service", "name": FULLNAME, "portNumber": 9002, "failureMode": "FailClose"},
+    }
+
+
+def test_http_route_sends_the_gateway_to_the_pool(chart):
+    r = render(
+        chart,
+        merged({"experimentalHttpRoute": {"enabled": True, "inferenceGatewayName": "edge", "requestTimeout": "10m"}}),
+    )
+    route = r.one("HTTPRoute", RELEASE)["spec"]
+    assert route["parentRefs"] == [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": "edge"}]
+    (rule,) = route["rules"]
+    assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": RELEASE}]
+    assert rule["timeouts"] == {"request": "10m"}
+    assert render(chart, BASE).all("HTTPRoute") == []
+
+
+# --- model-server types --------------------------------------------------------------------
+
+
+def test_tensorrt_llm_workers_are_polled(chart):
+    r = render(
+        chart,
+        merged(
+            {
+                "inferencePool": {"modelServerType": "trtllm-serve", "targetPorts": [{"number": 8000}, {"number": 8001}]},
+                "config": {
+                    "models": [{"name": "nvidia/Llama-3.1-8B-Instruct-FP8", "block_size": 32}],
+                    "workers": [
+                        {"endpoint": "10.1.0.5:8000", "model": "nvidia/Llama-3.1-8B-Instruct-FP8"},
+                        {"endpoint": "10.1.0.5:8001", "model": "nvidia/Llama-3.1-8B-Instruct-FP8", "dp_rank": 1},
+                    ],
+                    "events": {"trtllm": {"poll_interval_ms": 50}},
+                },
+            }
+        ),
+    )
+    assert r.config["events"] == {"engine": "trtllm", "trtllm": {"poll_interval_ms": 50}}
+    assert [w["endpoint"] for w in r.config["workers"]] == ["10.1.0.5:8000", "10.1.0.5:8001"]
+    assert r.one("InferencePool")["spec"]["targetPorts"] == [{"number": 8000}, {"number": 8001}]
+
+
+@pytest.mark.parametrize(
+    ("server", "engine", "expected"),
+    [("vllm", "", "vllm"), ("sglang", "", "sglang"), ("trtllm-serve", "", "trtllm"), ("vllm", "none", "none")],
+)
+def test_event_engine_follows_the_model_server(chart, server, engine, expected):
+    cfg = render(chart, merged({"inferencePool": {"modelServerType": server}, "config": {"events": {"engine": engine}}})).config
+    assert cfg["events"]["engine"] == expected
+    assert ("zmq" in cfg["events"]) == (expected in ("vllm", "sglang"))
+
+
+# --- refused values ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "where", "why"),
+    [
+        ({"inferenceExtension": {"replicas": -1}}, "/inferenceExtension/replicas", "minimum"),
+        ({"inferenceExtension": {"replicas": "three"}}, "/inferenceExtension/replicas", "want integer"),
+        ({"inferencePool": {"modelServerType": "tgi"}}, "/inferencePool/modelServerType", "vllm"),
+        ({"inferenceExtension": {"extProcPort": "abc"}}, "/inferenceExtension/extProcPort", "want integer"),
+        ({"inferenceExtension": {"metricsPort": 70000}}, "/inferenceExtension/metricsPort", "maximum"),
+        ({"inferenceExtension": {"failureMode": "Open"}}, "/inferenceExtension/failureMode", "FailClose"),
+        ({"inferenceExtension": {"replica": 2}}, "/inferenceExtension", "'replica' not allowed"),
+        ({"bogus": 1}, "", "'bogus' not allowed"),
+        ({"inferencePool": {"targetPorts": [{"number": p} for p in range(8000, 8009)]}}, "/inferencePool/targetPorts", "maxItems"),
+        ({"inferencePool": {"targetPorts": []}}, "/inferencePool/targetPorts", "minItems"),
+        ({"config": {"salt": {"sources": ["cookie"]}}}, "/config/salt/sources/0", "header"),
+        ({"config": {"salt": {"sources": [], "required": True}}}, "/config/salt/sources", "minItems"),
+        ({"config": {"scoring": {"offload_credit": 2}}}, "/config/scoring/offload_credit", "maximum"),
+        ({"config": {"scoring": {"queue_scale": 0}}}, "/config/scoring/queue_scale", "exclusiveMinimum"),
+        ({"config": {"routing": {"max_body_byts": 3}}}, "/config/routing", "'max_body_byts' not allowed"),
+        ({"config": {"routing": {"unknown_model": "drop"}}}, "/config/routing/unknown_model", "load_only"),
+        ({"config": {"models": [{"name": "m"}]}}, "/config/models/0", "block_size"),
+        ({"config": {"models": [{"name": "m", "block_size": 0}]}}, "/config/models/0/block_size", "minimum"),
+        ({"config": {"workers": [{"endpoint": "vllm-0:8000", "model": "m"}]}}, "/config/workers/0/endpoint", "pattern"),
+        ({"config": {"events": {"engine": "kafka"}}}, "/config/events/engine", "trtllm"),
+        ({"experimentalHttpRoute": {"requestTimeout": "forever"}}, "/experimentalHttpRoute/requestTimeout", "pattern"),
+    ],
+)
+def test_schema_refuses_bad_values(chart, values, where, why):
+    with pytest.raises(helm_python.HelmValuesError) as err:
+        chart.validate_schema(chart.merge_values(merged(values)))
+    message = str(err.value)
+    assert f"at '{where}'" in message and why in message, message
+    # An install (render) refuses them the same way.
+    assert f"at '{where}'" in render_error(chart, merged(values))
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            {"inferenceExtension": {"metricsPort": 9002}},
+            "inferenceExtension.extProcPort and inferenceExtension.metricsPort are both 9002",
+        ),
+        (
+            {"inferenceExtension": {"flags": {"grpc-port": 9100}}},
+            "inferenceExtension.flags.grpc-port: the chart sets --grpc-port itself; use inferenceExtension.extProcPort",
+        ),
+        (
+            {
+                "inferencePool": {
+                    "apiVersion": "inference.networking.x-k8s.io/v1alpha2",
+                    "targetPorts": [{"number": 8000}, {"number": 8001}],
+                }
+            },
+            "v1alpha2 pools have a single target port",
+        ),
+        (
+            {"inferenceExtension": {"monitoring": {"prometheus": {"enabled": True, "auth": {"enabled": True}}}}},
+            "inferenceExtension.monitoring.prometheus.auth.secretName is required",
+        ),
+    ],
+)
+def test_templates_refuse_inconsistent_values(chart, values, message):
+    assert message in render_error(chart, merged(values))
+
+
+# --- the Gateway example and the image agree with the chart --------------------------------
+
+
+def test_gateway_example_points_at_what_the_chart_installs(chart):
+    docs = [d for f in sorted(GATEWAY.glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d]
+    by_kind = {d["kind"]: d for d in docs}
+    assert set(by_kind) == {"Gateway", "HTTPRoute", "InferencePool"}
+    # The README installs the chart as release `llama` without its own pool.
+    r = render(chart, {"inferencePool": {"create": False}})
+    service = r.one("Service", FULLNAME)
+    ext_proc = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc-ext-proc")
+    ref = by_kind["InferencePool"]["spec"]["endpointPickerRef"]
+    assert (ref["kind"], ref["name"], ref["port"]["number"]) == ("Service", FULLNAME, ext_proc)
+    assert by_kind["InferencePool"]["metadata"]["name"] == r.config["pool"]["name"]
+    route = by_kind["HTTPRoute"]["spec"]
+    assert route["parentRefs"][0]["name"] == by_kind["Gateway"]["metadata"]["name"]
+    assert route["rules"][0]["backendRefs"][0]["kind"] == "InferencePool"
+    assert route["rules"][0]["backendRefs"][0]["name"] == by_kind["InferencePool"]["metadata"]["name"]
+    # The same pool, as the chart would render it, matches the example.
+    chart_pool = render(chart, BASE).one("InferencePool")["spec"]
+    assert chart_pool["endpointPickerRef"] == ref
+    assert chart_pool["selector"] == by_kind["InferencePool"]["spec"]["selector"]
+
+
+def test_dockerfile_exposes_the_chart_ports(chart):
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    exposed = {int(p) for line in re.findall(r"^EXPOSE (.+)$", dockerfile, re.M) for p in line.split()}
+    ie = chart.values["inferenceExtension"]
+    assert exposed == {ie[k] for k in ("extProcPort", "grpcHealthPort", "metricsPort", "adminPort", "peerPort")}
+    assert re.search(r"^USER 65532", dockerfile, re.M), "runs as the non-root user the chart expects"
+
+
+def helm_install_values(readme: Path) -> dict:
+    """The values of the `helm install` command in a README, as Helm's --set parser reads them."""
+    text = readme.read_text()
+    command = re.search(r"^helm install llama deploy/helm/kv-epp(.*?)(?<!\\)\n", text, re.M | re.S)
+    assert command, f"no `helm install llama deploy/helm/kv-epp` in {readme}"
+    sets = re.findall(r"--set\s+('([^']*)'|(\S+))", command.group(1))
+    assert sets, f"the install command in {readme} sets no values"
+    return helm_python.parse_set_string(",".join(quoted or bare for _, quoted, bare in sets))
+
+
+@pytest.mark.parametrize("readme", [ROOT / "README.md", GATEWAY / "README.md"], ids=["README", "gateway-README"])
+def test_documented_install_commands_render(chart, readme):
+    values = helm_install_values(readme)
+    r = render(chart, values)
+    assert r.config["models"] == [{"name": "meta-llama/Llama-3.1-8B-Instruct", "block_size": 16}]
+    assert r.container["image"].startswith("registry.example.com/kv-epp/kv-epp:")

@@ -270,7 +270,7 @@ fn apply(index: &KvIndex, ids: &[WorkerId], ev: &Event) {
             &ids[ev.worker],
             &StoreBlocks {
                 parent: ev.parent.map(EngineBlockHash),
-                root_seed: ev.seed,
+                root_seed: Some(ev.seed),
                 engine_hashes: &ev.hashes,
                 tokens: &ev.tokens,
                 medium: Medium::Device,

@@ -33,6 +33,52 @@ pub struct Config {
     pub models: Vec<ModelConfig>,
     /// Statically configured workers.
     pub workers: Vec<StaticWorker>,
+    /// Where engines publish their KV events.
+    pub events: EventsConfig,
+}
+
+/// Which event protocol the workers speak.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EventEngine {
+    /// vLLM (and SGLang) over ZeroMQ.
+    #[default]
+    Vllm,
+    /// No events: route on load alone.
+    None,
+}
+
+/// KV event sources.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EventsConfig {
+    /// The protocol.
+    pub engine: EventEngine,
+    /// vLLM ZeroMQ ports.
+    pub zmq: ZmqConfig,
+}
+
+/// vLLM's publisher conventions: rank `r` publishes on `port + r` and replays on
+/// `replay_port + r`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ZmqConfig {
+    /// The engine's PUB port for rank 0.
+    pub port: u16,
+    /// The engine's replay ROUTER port for rank 0 (0 = the engine has no replay socket).
+    pub replay_port: u16,
+    /// Topic to subscribe to ("" = all).
+    pub topic: String,
+}
+
+impl Default for ZmqConfig {
+    fn default() -> Self {
+        ZmqConfig {
+            port: 5557,
+            replay_port: 5558,
+            topic: String::new(),
+        }
+    }
 }
 
 /// Listener settings. Ports follow the reference picker's conventions.
@@ -47,6 +93,8 @@ pub struct ServerConfig {
     pub grpc_health_port: u16,
     /// Prometheus metrics port.
     pub metrics_port: u16,
+    /// Admin HTTP port: the standalone query API and worker status.
+    pub admin_port: u16,
     /// Serve TLS on the ext_proc port.
     pub secure_serving: bool,
     /// Directory with `tls.crt` and `tls.key`; a self-signed certificate is generated when unset.
@@ -60,6 +108,7 @@ impl Default for ServerConfig {
             grpc_port: 9002,
             grpc_health_port: 9003,
             metrics_port: 9090,
+            admin_port: 9091,
             secure_serving: false,
             cert_path: None,
         }
@@ -130,6 +179,8 @@ pub struct SaltConfig {
     /// Key for salt fingerprints in logs and metrics; set the same value on every replica to make
     /// fingerprints comparable. Random per process when unset.
     pub fingerprint_key: Option<String>,
+    /// A file holding the fingerprint key (e.g. mounted from a Secret); read once at start.
+    pub fingerprint_key_file: Option<PathBuf>,
 }
 
 impl Default for SaltConfig {
@@ -139,6 +190,7 @@ impl Default for SaltConfig {
             sources: p.sources,
             required: p.required,
             fingerprint_key: None,
+            fingerprint_key_file: None,
         }
     }
 }
@@ -207,12 +259,51 @@ pub struct StaticWorker {
     /// Data-parallel rank behind the endpoint.
     #[serde(default)]
     pub dp_rank: u32,
+    /// The worker's KV event publisher (default: `tcp://<ip>:<events.zmq.port + dp_rank>`).
+    #[serde(default)]
+    pub events_endpoint: Option<String>,
+    /// The worker's replay socket (default: from `events.zmq.replay_port`, none when 0).
+    #[serde(default)]
+    pub replay_endpoint: Option<String>,
 }
 
 impl StaticWorker {
     /// The worker's id.
     pub fn id(&self) -> WorkerId {
         WorkerId::with_rank(self.endpoint, self.dp_rank)
+    }
+}
+
+impl Config {
+    /// Where a worker publishes KV events (`None` when events are off).
+    pub fn feed_endpoints(
+        &self,
+        worker: &WorkerId,
+        overrides: Option<&StaticWorker>,
+    ) -> Option<crate::events::subscriber::FeedEndpoints> {
+        if self.events.engine == EventEngine::None {
+            return None;
+        }
+        let z = &self.events.zmq;
+        let host = match worker.endpoint.ip() {
+            IpAddr::V6(v6) => format!("[{v6}]"),
+            IpAddr::V4(v4) => v4.to_string(),
+        };
+        let rank = u16::try_from(worker.dp_rank).unwrap_or(u16::MAX);
+        let events = overrides
+            .and_then(|w| w.events_endpoint.clone())
+            .unwrap_or_else(|| format!("tcp://{host}:{}", z.port.saturating_add(rank)));
+        let replay = overrides
+            .and_then(|w| w.replay_endpoint.clone())
+            .or_else(|| {
+                (z.replay_port != 0)
+                    .then(|| format!("tcp://{host}:{}", z.replay_port.saturating_add(rank)))
+            });
+        Some(crate::events::subscriber::FeedEndpoints {
+            events,
+            replay,
+            topic: z.topic.clone(),
+        })
     }
 }
 
@@ -272,6 +363,7 @@ impl Config {
             ("server.grpc_port", s.grpc_port),
             ("server.grpc_health_port", s.grpc_health_port),
             ("server.metrics_port", s.metrics_port),
+            ("server.admin_port", s.admin_port),
         ];
         for (i, (a, pa)) in ports.iter().enumerate() {
             for (b, pb) in &ports[i + 1..] {
@@ -309,8 +401,23 @@ impl Config {
                 }
             }
         }
+        if self.salt.fingerprint_key.is_some() && self.salt.fingerprint_key_file.is_some() {
+            return bad("set salt.fingerprint_key or salt.fingerprint_key_file, not both".into());
+        }
         let mut seen = std::collections::HashSet::new();
         for (i, w) in self.workers.iter().enumerate() {
+            for (field, ep) in [
+                ("events_endpoint", &w.events_endpoint),
+                ("replay_endpoint", &w.replay_endpoint),
+            ] {
+                if let Some(ep) = ep
+                    && !ep.starts_with("tcp://")
+                {
+                    return bad(format!(
+                        "workers[{i}].{field} must be tcp://host:port, got `{ep}`"
+                    ));
+                }
+            }
             if !self.models.iter().any(|m| m.name == w.model) {
                 return bad(format!(
                     "workers[{i}].model `{}` is not one of models[].name",

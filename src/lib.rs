@@ -2,7 +2,10 @@
 //! cache already holds the longest prefix of the prompt, weighed against load, with tenants
 //! isolated by their cache salt. See `ARCHITECTURE.md` for the code map.
 
+pub mod admin;
 pub mod config;
+pub mod engine_salt;
+pub mod events;
 pub mod extproc;
 pub mod fingerprint;
 pub mod hashing;

@@ -441,7 +441,7 @@ workers: [{endpoint: '10.0.0.1:8000', model: m}, {endpoint: '10.0.0.2:8000', mod
                 &holder,
                 &StoreBlocks {
                     parent: None,
-                    root_seed: HashSeed::new(None, Some("tenant-a")),
+                    root_seed: Some(HashSeed::new(None, Some("tenant-a"))),
                     engine_hashes: &hashes,
                     tokens: &tokens,
                     medium: Medium::Device,

@@ -213,9 +213,12 @@ fn first_salt(
     Ok(None)
 }
 
-/// The local-hash seed of a request with this salt and adapter.
+/// The local-hash seed of a request with this salt and adapter: the salt enters through its
+/// engine namespace (the salt itself unless it is too long to forward; see `engine_salt`), so
+/// routing hashes equal the hashes computed back from the engine's events.
 pub fn seed_for(salt: Option<&CacheSalt>, lora_name: Option<&str>) -> HashSeed {
-    HashSeed::new(lora_name, salt.map(CacheSalt::expose))
+    let ns = salt.map(crate::engine_salt::namespace);
+    HashSeed::new(lora_name, ns.as_deref())
 }
 
 #[cfg(test)]

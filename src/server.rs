@@ -14,6 +14,7 @@ use tonic::transport::{Identity, Server as GrpcServer, ServerTlsConfig};
 use tonic_health::ServingStatus;
 
 use crate::config::Config;
+use crate::events::Feeds;
 use crate::extproc::ExtProcService;
 use crate::extproc::stream::StreamOptions;
 use crate::metrics::Metrics;
@@ -55,6 +56,10 @@ pub struct Server {
     pub health_addr: SocketAddr,
     /// Bound metrics address.
     pub metrics_addr: SocketAddr,
+    /// Bound admin address.
+    pub admin_addr: SocketAddr,
+    /// The engine event feeds.
+    pub feeds: Arc<Feeds>,
     shutdown: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -100,6 +105,17 @@ impl Server {
         )
         .await?;
         let metrics_l = bind("metrics", SocketAddr::new(ip, config.server.metrics_port)).await?;
+        let admin_l = bind("admin", SocketAddr::new(ip, config.server.admin_port)).await?;
+        let admin_addr = local(&admin_l);
+        let feeds = Arc::new(Feeds::default());
+        for w in &config.workers {
+            let id = w.id();
+            if let (Some(index), Some(endpoints)) =
+                (router.index(&w.model), config.feed_endpoints(&id, Some(w)))
+            {
+                feeds.start(id, index.clone(), endpoints);
+            }
+        }
         let (grpc_addr, health_addr, metrics_addr) =
             (local(&grpc), local(&health), local(&metrics_l));
         let (shutdown, rx) = watch::channel(false);
@@ -180,12 +196,30 @@ impl Server {
                 tracing::error!(error = %e, "metrics server stopped");
             }
         }));
-        tracing::info!(%grpc_addr, %health_addr, %metrics_addr, "kv-epp serving");
+        let admin = crate::admin::routes(crate::admin::AdminState {
+            router: router.clone(),
+            feeds: feeds.clone(),
+        });
+        let mut stop = rx.clone();
+        tasks.push(tokio::spawn(async move {
+            let done = async move {
+                let _ = stop.wait_for(|s| *s).await;
+            };
+            if let Err(e) = axum::serve(admin_l, admin)
+                .with_graceful_shutdown(done)
+                .await
+            {
+                tracing::error!(error = %e, "admin server stopped");
+            }
+        }));
+        tracing::info!(%grpc_addr, %health_addr, %metrics_addr, %admin_addr, "kv-epp serving");
         Ok(Server {
             router,
             grpc_addr,
             health_addr,
             metrics_addr,
+            admin_addr,
+            feeds,
             shutdown,
             tasks,
         })

@@ -25,7 +25,7 @@ fn seed(server: &Server, worker: SocketAddr, tokens: &[u32], salt: Option<&str>)
             &WorkerId::new(worker),
             &StoreBlocks {
                 parent: None,
-                root_seed: HashSeed::new(None, salt),
+                root_seed: Some(HashSeed::new(None, salt)),
                 engine_hashes: &hashes,
                 tokens: &tokens[..hashes.len() * 4],
                 medium: Medium::Device,
@@ -205,7 +205,7 @@ async fn tls_on_the_ext_proc_port_with_a_generated_certificate() {
     let Some(rig) = Rig::start(
         EnvoyShape::FullDuplexTls,
         2,
-        "server: {bind_address: 127.0.0.1, grpc_port: 0, grpc_health_port: 0, metrics_port: 0, secure_serving: true}",
+        "server: {bind_address: 127.0.0.1, grpc_port: 0, grpc_health_port: 0, metrics_port: 0, admin_port: 0, secure_serving: true}\nevents: {engine: none}",
     )
     .await
     else {

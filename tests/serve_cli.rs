@@ -54,9 +54,9 @@ fn invalid_configuration_stops_start_up_naming_the_field() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serves_health_and_metrics_and_stops_on_sigterm() {
-    let (grpc, health, metrics) = (free_port(), free_port(), free_port());
+    let (grpc, health, metrics, admin) = (free_port(), free_port(), free_port(), free_port());
     let path = write_config(
-        "server: {bind_address: 127.0.0.1}\nmodels: [{name: m, block_size: 16}]\nworkers: [{endpoint: '127.0.0.1:1', model: m}]",
+        "server: {bind_address: 127.0.0.1}\nevents: {engine: none}\nmodels: [{name: m, block_size: 16}]\nworkers: [{endpoint: '127.0.0.1:1', model: m}]",
     );
     let child = kv_epp()
         .args([
@@ -69,6 +69,8 @@ async fn serves_health_and_metrics_and_stops_on_sigterm() {
             &health.to_string(),
             "--metrics-port",
             &metrics.to_string(),
+            "--admin-port",
+            &admin.to_string(),
             "--secure-serving",
         ])
         .stdout(Stdio::null())
@@ -110,6 +112,15 @@ async fn serves_health_and_metrics_and_stops_on_sigterm() {
         m.text().contains("kv_epp_decision_seconds_count 0"),
         "{}",
         m.text()
+    );
+    let w = http(("127.0.0.1", admin), "GET", "/workers", &[], b"")
+        .await
+        .unwrap();
+    assert_eq!(w.status, 200);
+    assert!(
+        w.text().contains("\"worker\":\"127.0.0.1:1\""),
+        "{}",
+        w.text()
     );
     // TLS is on: a plaintext HTTP/2 client cannot talk to the ext_proc port.
     let plain = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{grpc}"))

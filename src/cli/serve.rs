@@ -32,6 +32,9 @@ pub struct ServeArgs {
     /// Directory holding tls.crt and tls.key.
     #[arg(long)]
     pub cert_path: Option<PathBuf>,
+    /// Admin HTTP port: query API and worker status (overrides server.admin_port).
+    #[arg(long)]
+    pub admin_port: Option<u16>,
     /// Log format: text or json.
     #[arg(long, default_value = "text")]
     pub log_format: String,
@@ -53,6 +56,9 @@ pub fn effective_config(args: &ServeArgs) -> Result<Config, String> {
     if let Some(p) = args.metrics_port {
         s.metrics_port = p;
     }
+    if let Some(p) = args.admin_port {
+        s.admin_port = p;
+    }
     if let Some(v) = args.secure_serving {
         s.secure_serving = v;
     }
@@ -66,6 +72,11 @@ pub fn effective_config(args: &ServeArgs) -> Result<Config, String> {
         c.pool.namespace = n.clone();
     }
     c.validate().map_err(|e| e.to_string())?;
+    if let Some(path) = c.salt.fingerprint_key_file.take() {
+        let key = std::fs::read_to_string(&path)
+            .map_err(|e| format!("salt.fingerprint_key_file {}: {e}", path.display()))?;
+        c.salt.fingerprint_key = Some(key.trim().to_owned());
+    }
     Ok(c)
 }
 
@@ -80,8 +91,8 @@ pub fn run(args: &ServeArgs) -> Result<(), String> {
     rt.block_on(async move {
         let server = Server::start(&config).await.map_err(|e| e.to_string())?;
         println!(
-            "kv-epp serving ext_proc on {} (health {}, metrics {})",
-            server.grpc_addr, server.health_addr, server.metrics_addr
+            "kv-epp serving ext_proc on {} (health {}, metrics {}, admin {})",
+            server.grpc_addr, server.health_addr, server.metrics_addr, server.admin_addr
         );
         shutdown_signal().await;
         tracing::info!("shutting down");

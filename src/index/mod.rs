@@ -118,9 +118,10 @@ pub struct StoreBlocks<'a> {
     /// The engine hash of the block before the first new one, or `None` when the first new block
     /// starts a sequence.
     pub parent: Option<EngineBlockHash>,
-    /// The namespace seed of a sequence start (salt and adapter from the event). Ignored for
-    /// continuations, which inherit their parent's.
-    pub root_seed: HashSeed,
+    /// The namespace seed of a sequence start (salt and adapter decoded from the event), or
+    /// `None` when the event's namespace cannot be trusted (its blocks are never credited).
+    /// Ignored for continuations, which inherit their parent's.
+    pub root_seed: Option<HashSeed>,
     /// The engine's hashes of the new blocks.
     pub engine_hashes: &'a [EngineBlockHash],
     /// The new blocks' tokens, exactly `engine_hashes.len() * block_size` of them.
@@ -363,7 +364,7 @@ impl KvIndex {
         }
         // Resolve the namespace and the prefix hash the first new block chains from.
         let (seed, mut prev) = match ev.parent {
-            None => (Some(ev.root_seed), None),
+            None => (ev.root_seed, None),
             Some(p) => match blocks.parent(p) {
                 ParentState::Known { seed, seq } => (Some(seed), Some(seq)),
                 ParentState::UnknownNamespace | ParentState::Missing => (None, None),

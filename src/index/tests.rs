@@ -31,7 +31,7 @@ fn store(
         &worker,
         &StoreBlocks {
             parent: parent.map(EngineBlockHash),
-            root_seed: seed,
+            root_seed: Some(seed),
             engine_hashes: &hashes,
             tokens,
             medium,
@@ -174,7 +174,7 @@ fn clear_and_remove_worker_drop_everything() {
             &w(2),
             &StoreBlocks {
                 parent: None,
-                root_seed: HashSeed::UNSALTED,
+                root_seed: Some(HashSeed::UNSALTED),
                 engine_hashes: &[EngineBlockHash(1)],
                 tokens: &t[..4],
                 medium: Medium::Device
@@ -199,7 +199,7 @@ fn unknown_removals_and_bad_token_counts_are_counted() {
             &w(1),
             &StoreBlocks {
                 parent: None,
-                root_seed: HashSeed::UNSALTED,
+                root_seed: Some(HashSeed::UNSALTED),
                 engine_hashes: &[EngineBlockHash(1)],
                 tokens: &[1, 2, 3],
                 medium: Medium::Device,

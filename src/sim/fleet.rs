@@ -276,7 +276,7 @@ pub fn apply_event(index: &KvIndex, worker: &WorkerId, ev: &CacheEvent) {
                 worker,
                 &StoreBlocks {
                     parent: parent.map(|p| EngineBlockHash(p.as_u64())),
-                    root_seed: HashSeed::new(lora_name.as_deref(), salt),
+                    root_seed: Some(HashSeed::new(lora_name.as_deref(), salt)),
                     engine_hashes: &engine,
                     tokens,
                     medium: Medium::Device,

@@ -1,0 +1,614 @@
+//! Event ingestion over real ZeroMQ sockets on loopback: a fake engine publishes vLLM-format
+//! batches (PUB, 3 frames, big-endian sequence, msgpack) and serves replays (ROUTER); kv-epp's
+//! subscriber feeds the index; the admin `/query` API shows what kv-epp believes.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::{eventually, free_port, http};
+use kv_epp::config::Config;
+use kv_epp::engine_salt;
+use kv_epp::salt::{CacheSalt, SaltSource};
+use kv_epp::server::Server;
+use rmpv::Value;
+use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+
+/// Every batch published so far, by sequence (the replay buffer).
+type Sent = std::sync::Arc<std::sync::Mutex<Vec<(u64, Vec<u8>)>>>;
+
+/// A fake engine: numbered batches published on PUB, all kept for replay on ROUTER.
+struct FakeEngine {
+    publisher: PubSocket,
+    sent: Sent,
+    next: u64,
+    map_layout: bool,
+    bytes_hashes: bool,
+}
+
+fn s(x: &str) -> Value {
+    Value::from(x)
+}
+
+impl FakeEngine {
+    async fn start(
+        pub_port: u16,
+        replay_port: Option<u16>,
+        map_layout: bool,
+        bytes_hashes: bool,
+    ) -> FakeEngine {
+        let mut publisher = PubSocket::new();
+        publisher
+            .bind(&format!("tcp://127.0.0.1:{pub_port}"))
+            .await
+            .unwrap();
+        let sent: Sent = Default::default();
+        if let Some(port) = replay_port {
+            let mut router = RouterSocket::new();
+            router
+                .bind(&format!("tcp://127.0.0.1:{port}"))
+                .await
+                .unwrap();
+            let sent = sent.clone();
+            tokio::spawn(async move {
+                while let Ok(msg) = router.recv().await {
+                    let frames = msg.into_vec();
+                    let identity = frames[0].clone();
+                    let start =
+                        u64::from_be_bytes(frames.last().unwrap().as_ref().try_into().unwrap());
+                    let batches: Vec<(u64, Vec<u8>)> = sent
+                        .lock()
+                        .unwrap()
+                        .iter()
+                        .filter(|(q, _)| *q >= start)
+                        .cloned()
+                        .collect();
+                    for (seq, payload) in batches.into_iter().chain([(u64::MAX, Vec::new())]) {
+                        let mut m = ZmqMessage::from(identity.clone());
+                        m.push_back(Bytes::new());
+                        m.push_back(Bytes::copy_from_slice(&seq.to_be_bytes()));
+                        m.push_back(Bytes::from(payload));
+                        if router.send(m).await.is_err() {
+                            break;
+                        }
+                    }
+                }
+            });
+        }
+        FakeEngine {
+            publisher,
+            sent,
+            next: 0,
+            map_layout,
+            bytes_hashes,
+        }
+    }
+
+    fn hash(&self, h: u64) -> Value {
+        if self.bytes_hashes {
+            let mut b = vec![0u8; 32];
+            b[24..].copy_from_slice(&h.to_be_bytes());
+            Value::Binary(b)
+        } else {
+            Value::from(h)
+        }
+    }
+
+    fn stored(
+        &self,
+        hashes: &[u64],
+        parent: Option<u64>,
+        tokens: &[u32],
+        salt: Option<&str>,
+    ) -> Value {
+        let hashes = Value::Array(hashes.iter().map(|h| self.hash(*h)).collect());
+        let parent = parent.map_or(Value::Nil, |p| self.hash(p));
+        let tokens = Value::Array(tokens.iter().map(|t| Value::from(*t)).collect());
+        let n = tokens.as_array().unwrap().len() / 4;
+        let extra = Value::Array(
+            (0..n)
+                .map(|i| match (i, salt) {
+                    (0, Some(s)) => Value::Array(vec![Value::from(s)]),
+                    _ => Value::Nil,
+                })
+                .collect(),
+        );
+        if self.map_layout {
+            Value::Map(vec![
+                (s("type"), s("BlockStored")),
+                (s("block_hashes"), hashes),
+                (s("parent_block_hash"), parent),
+                (s("token_ids"), tokens),
+                (s("block_size"), Value::from(4)),
+                (s("medium"), s("GPU")),
+                (s("extra_keys"), extra),
+            ])
+        } else {
+            Value::Array(vec![
+                s("BlockStored"),
+                hashes,
+                parent,
+                tokens,
+                Value::from(4),
+                Value::Nil,
+                s("GPU"),
+                Value::Nil,
+                extra,
+                Value::from(0),
+            ])
+        }
+    }
+
+    fn removed(&self, hashes: &[u64]) -> Value {
+        let hashes = Value::Array(hashes.iter().map(|h| self.hash(*h)).collect());
+        if self.map_layout {
+            Value::Map(vec![
+                (s("type"), s("BlockRemoved")),
+                (s("block_hashes"), hashes),
+                (s("medium"), s("GPU")),
+            ])
+        } else {
+            Value::Array(vec![s("BlockRemoved"), hashes, s("GPU")])
+        }
+    }
+
+    /// Publishes a batch (or only records it for replay when `drop`).
+    async fn publish(&mut self, events: Vec<Value>, drop: bool) {
+        let batch = Value::Array(vec![Value::F64(1.0), Value::Array(events), Value::Nil]);
+        let mut payload = Vec::new();
+        rmpv::encode::write_value(&mut payload, &batch).unwrap();
+        self.publish_raw(payload, drop).await;
+    }
+
+    async fn publish_raw(&mut self, payload: Vec<u8>, drop: bool) {
+        let seq = self.next;
+        self.next += 1;
+        self.sent.lock().unwrap().push((seq, payload.clone()));
+        if !drop {
+            let mut m = ZmqMessage::from(Bytes::new());
+            m.push_back(Bytes::copy_from_slice(&seq.to_be_bytes()));
+            m.push_back(Bytes::from(payload));
+            self.publisher.send(m).await.unwrap();
+        }
+    }
+
+    fn restart(&mut self) {
+        self.next = 0;
+        self.sent.lock().unwrap().clear();
+    }
+}
+
+async fn kv_epp(worker: SocketAddr, pub_port: u16, replay_port: Option<u16>) -> Server {
+    let replay = replay_port.map_or(String::new(), |p| {
+        format!(", replay_endpoint: 'tcp://127.0.0.1:{p}'")
+    });
+    let yaml = format!(
+        "server: {{bind_address: 127.0.0.1, grpc_port: 0, grpc_health_port: 0, metrics_port: 0, admin_port: 0}}\n\
+         models: [{{name: m, block_size: 4}}]\n\
+         workers: [{{endpoint: '{worker}', model: m, events_endpoint: 'tcp://127.0.0.1:{pub_port}'{replay}}}]"
+    );
+    let c = Config::from_yaml(&yaml).unwrap();
+    c.validate().unwrap();
+    Server::start(&c).await.unwrap()
+}
+
+/// Overlap in tokens that `/query` reports for the worker.
+async fn overlap(server: &Server, tokens: &[u32], salt: Option<&str>) -> u64 {
+    let mut body = serde_json::json!({"model": "m", "token_ids": tokens});
+    if let Some(s) = salt {
+        body["cache_salt"] = serde_json::json!(s);
+    }
+    let r = http(
+        server.admin_addr,
+        "POST",
+        "/query",
+        &[("content-type", "application/json")],
+        body.to_string().as_bytes(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    v["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["overlap_tokens"].as_u64().unwrap())
+        .max()
+        .unwrap_or(0)
+}
+
+fn fwd(salt: &str) -> String {
+    engine_salt::forwarded(&CacheSalt::new(salt, SaltSource::Body).unwrap().unwrap())
+}
+
+async fn wait_subscribed(server: &Server) {
+    assert!(
+        eventually(10, || server.feeds.statuses().iter().all(|(_, _, st)| st
+            .connected
+            .load(std::sync::atomic::Ordering::Relaxed)))
+        .await
+    );
+    // A PUB socket drops messages until the subscription has propagated.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+}
+
+async fn end_to_end(map_layout: bool, bytes_hashes: bool) {
+    let (pub_port, replay_port) = (free_port(), free_port());
+    let mut engine = FakeEngine::start(pub_port, Some(replay_port), map_layout, bytes_hashes).await;
+    let worker: SocketAddr = "127.0.0.1:18001".parse().unwrap();
+    let server = kv_epp(worker, pub_port, Some(replay_port)).await;
+    wait_subscribed(&server).await;
+    let t: Vec<u32> = (0..16).collect();
+    let a = fwd("tenant-a");
+    // Seq 0: tenant-a stores 2 blocks; seq 1: a continuation (no salt) of 2 more.
+    engine
+        .publish(
+            vec![engine.stored(&[11, 12], None, &t[..8], Some(&a))],
+            false,
+        )
+        .await;
+    engine
+        .publish(
+            vec![engine.stored(&[13, 14], Some(12), &t[8..16], None)],
+            false,
+        )
+        .await;
+    let ok = eventually(5, || {
+        server
+            .router
+            .index("m")
+            .unwrap()
+            .worker_blocks(&kv_epp::worker::WorkerId::new(worker))
+            .unwrap()
+            == 4
+    })
+    .await;
+    assert!(ok, "events applied");
+    assert_eq!(
+        overlap(&server, &t, Some("tenant-a")).await,
+        16,
+        "continuation inherits tenant-a"
+    );
+    assert_eq!(
+        overlap(&server, &t, Some("tenant-b")).await,
+        0,
+        "other tenant gets nothing"
+    );
+    assert_eq!(overlap(&server, &t, None).await, 0, "unsalted gets nothing");
+    // Seq 2 is lost (dropped at the publisher) and seq 3 reveals the gap: replay fills it.
+    engine.publish(vec![engine.removed(&[14])], true).await;
+    engine
+        .publish(vec![engine.stored(&[21], None, &[7, 7, 7, 7], None)], false)
+        .await;
+    let mut seen = false;
+    for _ in 0..100 {
+        if overlap(&server, &[7, 7, 7, 7], None).await == 4 {
+            seen = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(seen, "the batch after the gap applied");
+    assert_eq!(
+        overlap(&server, &t, Some("tenant-a")).await,
+        12,
+        "the replayed removal applied"
+    );
+    assert_eq!(overlap(&server, &[7, 7, 7, 7], None).await, 4);
+    // Engine restart: the sequence goes back to 0, the old state must not be credited.
+    engine.restart();
+    engine
+        .publish(vec![engine.stored(&[31], None, &[9, 9, 9, 9], None)], false)
+        .await;
+    assert!(
+        eventually(5, || server
+            .router
+            .index("m")
+            .unwrap()
+            .worker_blocks(&kv_epp::worker::WorkerId::new(worker))
+            .unwrap()
+            == 1)
+        .await
+    );
+    assert_eq!(
+        overlap(&server, &t, Some("tenant-a")).await,
+        0,
+        "no stale credit after restart"
+    );
+    assert_eq!(overlap(&server, &[9, 9, 9, 9], None).await, 4);
+    let st = &server.feeds.statuses()[0].2;
+    use std::sync::atomic::Ordering::Relaxed;
+    assert_eq!(
+        (
+            st.gaps.load(Relaxed),
+            st.replayed.load(Relaxed),
+            st.restarts.load(Relaxed)
+        ),
+        (1, 1, 1)
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn array_layout_int_hashes() {
+    end_to_end(false, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn map_layout_byte_hashes() {
+    end_to_end(true, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_replay_a_gap_drops_state_and_fresh_events_recover() {
+    let pub_port = free_port();
+    let mut engine = FakeEngine::start(pub_port, None, true, false).await;
+    let worker: SocketAddr = "127.0.0.1:18002".parse().unwrap();
+    let server = kv_epp(worker, pub_port, None).await;
+    wait_subscribed(&server).await;
+    let id = kv_epp::worker::WorkerId::new(worker);
+    engine
+        .publish(
+            vec![engine.stored(&[1, 2], None, &[1, 1, 1, 1, 2, 2, 2, 2], None)],
+            false,
+        )
+        .await;
+    assert!(
+        eventually(5, || server
+            .router
+            .index("m")
+            .unwrap()
+            .worker_blocks(&id)
+            .unwrap()
+            == 2)
+        .await
+    );
+    engine.publish(vec![engine.removed(&[2])], true).await; // lost
+    engine
+        .publish(vec![engine.stored(&[5], None, &[5, 5, 5, 5], None)], false)
+        .await;
+    use std::sync::atomic::Ordering::Relaxed;
+    assert!(
+        eventually(5, || server.feeds.statuses()[0].2.unfillable.load(Relaxed)
+            == 1)
+        .await
+    );
+    assert_eq!(
+        overlap(&server, &[1, 1, 1, 1, 2, 2, 2, 2], None).await,
+        0,
+        "state dropped, nothing stale credited"
+    );
+    assert_eq!(
+        overlap(&server, &[5, 5, 5, 5], None).await,
+        4,
+        "the fresh event is in"
+    );
+    assert!(
+        !server.feeds.statuses()[0].2.cold.load(Relaxed),
+        "warm again after fresh events"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_frames_leave_the_subscriber_running_and_the_index_unchanged() {
+    let pub_port = free_port();
+    let mut engine = FakeEngine::start(pub_port, None, false, false).await;
+    let worker: SocketAddr = "127.0.0.1:18003".parse().unwrap();
+    let server = kv_epp(worker, pub_port, None).await;
+    wait_subscribed(&server).await;
+    let id = kv_epp::worker::WorkerId::new(worker);
+    engine
+        .publish(vec![engine.stored(&[1], None, &[1, 2, 3, 4], None)], false)
+        .await;
+    assert!(
+        eventually(5, || server
+            .router
+            .index("m")
+            .unwrap()
+            .worker_blocks(&id)
+            .unwrap()
+            == 1)
+        .await
+    );
+    let mut rng = 12345u64;
+    let mut next = || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let valid = {
+        let mut p = Vec::new();
+        let b = Value::Array(vec![
+            Value::F64(1.0),
+            Value::Array(vec![engine.stored(&[9], None, &[9, 9, 9, 9], None)]),
+            Value::Nil,
+        ]);
+        rmpv::encode::write_value(&mut p, &b).unwrap();
+        p
+    };
+    for i in 0..2000 {
+        let payload: Vec<u8> = match i % 8 {
+            0 => valid[..(next() as usize % valid.len())].to_vec(), // truncated
+            1 => (0..(next() % 64)).map(|_| next() as u8).collect(), // garbage
+            2 => {
+                // Wrong types, beyond-u32 token IDs, negative hashes, odd-length byte hashes.
+                let ev = Value::Array(vec![
+                    s("BlockStored"),
+                    Value::Array(vec![Value::from(-1), Value::Binary(vec![1, 2, 3])]),
+                    Value::from("parent"),
+                    Value::Array(vec![Value::from(1u64 << 33); 4]),
+                    Value::from(4),
+                ]);
+                let mut p = Vec::new();
+                rmpv::encode::write_value(
+                    &mut p,
+                    &Value::Array(vec![Value::F64(0.0), Value::Array(vec![ev]), Value::Nil]),
+                )
+                .unwrap();
+                p
+            }
+            3 => {
+                // A huge array header with no elements behind it.
+                let mut p = vec![0x93, 0xcb];
+                p.extend_from_slice(&1.0f64.to_be_bytes());
+                p.extend_from_slice(&[0xdd, 0xff, 0xff, 0xff, 0xff]);
+                p
+            }
+            4 => {
+                let ev = Value::Map(vec![
+                    (s("type"), s("BlockStored")),
+                    (s("block_hashes"), Value::from("x")),
+                    (s("block_size"), Value::from(u64::MAX)),
+                ]);
+                let mut p = Vec::new();
+                rmpv::encode::write_value(
+                    &mut p,
+                    &Value::Array(vec![Value::F64(0.0), Value::Array(vec![ev])]),
+                )
+                .unwrap();
+                p
+            }
+            5 => {
+                // Block size other than the model's: rejected with a counted warning.
+                let ev = Value::Array(vec![
+                    s("BlockStored"),
+                    Value::Array(vec![Value::from(77u64)]),
+                    Value::Nil,
+                    Value::Array((0..8).map(Value::from).collect()),
+                    Value::from(8),
+                ]);
+                let mut p = Vec::new();
+                rmpv::encode::write_value(
+                    &mut p,
+                    &Value::Array(vec![Value::F64(0.0), Value::Array(vec![ev])]),
+                )
+                .unwrap();
+                p
+            }
+            6 => {
+                // Token count that does not match the blocks.
+                let ev = Value::Array(vec![
+                    s("BlockStored"),
+                    Value::Array(vec![Value::from(78u64), Value::from(79u64)]),
+                    Value::Nil,
+                    Value::Array((0..5).map(Value::from).collect()),
+                    Value::from(4),
+                ]);
+                let mut p = Vec::new();
+                rmpv::encode::write_value(
+                    &mut p,
+                    &Value::Array(vec![Value::F64(0.0), Value::Array(vec![ev])]),
+                )
+                .unwrap();
+                p
+            }
+            _ => Vec::new(),
+        };
+        engine.publish_raw(payload, false).await;
+        if i % 200 == 0 {
+            tokio::task::yield_now().await;
+        }
+    }
+    // Frames with the wrong number of parts.
+    let mut m = ZmqMessage::from(Bytes::new());
+    m.push_back(Bytes::from_static(b"short-seq"));
+    engine.publisher.send(m).await.unwrap();
+    // Still alive: a valid event afterwards is applied.
+    engine
+        .publish(vec![engine.stored(&[50], None, &[5, 6, 7, 8], None)], false)
+        .await;
+    assert!(
+        eventually(10, || server
+            .router
+            .index("m")
+            .unwrap()
+            .worker_blocks(&id)
+            .unwrap()
+            == 2)
+        .await,
+        "subscriber still applies events"
+    );
+    assert_eq!(
+        overlap(&server, &[1, 2, 3, 4], None).await,
+        4,
+        "earlier state intact"
+    );
+    assert_eq!(
+        overlap(&server, &[9, 9, 9, 9], None).await,
+        0,
+        "no malformed block was indexed"
+    );
+    let c = server.feeds.counters();
+    use std::sync::atomic::Ordering::Relaxed;
+    assert!(c.block_size_mismatch.load(Relaxed) >= 200);
+    assert!(c.malformed.load(Relaxed) >= 500);
+    let _ = SocketAddr::from(([127, 0, 0, 1], 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn query_by_hash_contract() {
+    let server = kv_epp("127.0.0.1:18004".parse().unwrap(), free_port(), None).await;
+    let post = |body: &'static str| {
+        let addr = server.admin_addr;
+        async move {
+            http(
+                addr,
+                "POST",
+                "/query_by_hash",
+                &[("content-type", "application/json")],
+                body.as_bytes(),
+            )
+            .await
+            .unwrap()
+        }
+    };
+    assert_eq!(
+        post(r#"{"model":"m","block_hashes":[-1,2],"cache_salt":""}"#)
+            .await
+            .status,
+        400
+    );
+    assert_eq!(
+        post(r#"{"model":"m","block_hashes":[-1,2],"cache_salt":"t"}"#)
+            .await
+            .status,
+        400
+    );
+    assert_eq!(
+        post(r#"{"model":"m","block_hashes":[-1,2],"cache_salt":null}"#)
+            .await
+            .status,
+        200
+    );
+    assert_eq!(
+        post(r#"{"model":"m","block_hashes":[-1,2]}"#).await.status,
+        200
+    );
+    assert_eq!(
+        post(r#"{"model":"zz","block_hashes":[1]}"#).await.status,
+        404
+    );
+    assert_eq!(
+        post(r#"{"model":"m","block_hashes":"x"}"#).await.status,
+        400
+    );
+    let r = http(
+        server.admin_addr,
+        "POST",
+        "/query",
+        &[],
+        br#"{"model":"m","token_ids":[1,2],"cache_salt":""}"#,
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status, 200, "an empty salt is simply absent on /query");
+    let big = vec![b'1'; kv_epp::admin::MAX_BODY + 10];
+    let r = http(server.admin_addr, "POST", "/query", &[], &big)
+        .await
+        .unwrap();
+    assert_eq!(r.status, 413);
+}

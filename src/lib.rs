@@ -8,6 +8,7 @@ pub mod engine_salt;
 pub mod events;
 pub mod extproc;
 pub mod fingerprint;
+pub mod forward;
 pub mod hashing;
 pub mod index;
 pub mod metrics;

@@ -391,3 +391,50 @@ async fn concurrent_requests_with_aborts_leave_no_bookings() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(rig.server.router.total_inflight(), 0);
 }
+
+async fn header_tenant_wins_and_reaches_the_engine(shape: EnvoyShape) {
+    let Some(rig) = Rig::start(shape, 2, "").await else {
+        return;
+    };
+    let tokens: Vec<u32> = (900..932).collect();
+    let holder = rig.ups[0].addr;
+    seed(&rig.server, holder, &tokens, Some("tenant-a"));
+    // The gateway sets x-tenant-id; the client tries to smuggle tenant-b in both body fields.
+    let body = prompt_body(
+        &tokens,
+        r#","cache_salt":"tenant-b","nvext":{"cache_salt":"tenant-b","keep":1}"#,
+    );
+    let r = rig.post(&[("x-tenant-id", "tenant-a")], &body).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-served-by"), Some(holder.to_string().as_str()));
+    let got = rig.ups[0].last().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&got.body).unwrap();
+    assert_eq!(
+        v["cache_salt"], "kvepp:tenant-a",
+        "the engine caches under tenant-a"
+    );
+    assert_eq!(v["nvext"], serde_json::json!({"keep": 1}));
+    assert!(!String::from_utf8_lossy(&got.body).contains("tenant-b"));
+    if let Some(cl) = got.headers.get("content-length") {
+        assert_eq!(cl.to_str().unwrap(), got.body.len().to_string());
+    }
+    // Without a salt anywhere the body arrives byte-identical.
+    let plain = prompt_body(&tokens, "");
+    rig.post(&[], &plain).await;
+    let got = rig
+        .ups
+        .iter()
+        .filter_map(|u| u.last())
+        .find(|g| g.body.as_ref() == plain.as_slice());
+    assert!(got.is_some(), "unsalted body forwarded unchanged");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_duplex_forwards_the_header_tenant_salt() {
+    header_tenant_wins_and_reaches_the_engine(EnvoyShape::FullDuplex).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buffered_forwards_the_header_tenant_salt_with_right_length() {
+    header_tenant_wins_and_reaches_the_engine(EnvoyShape::Buffered).await;
+}

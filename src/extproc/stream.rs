@@ -22,13 +22,14 @@ use std::time::Instant;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    CommonResponse, HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
-    processing_request::Request,
+    BodyMutation, CommonResponse, HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
+    body_mutation, processing_request::Request,
 };
 use envoy_types::pb::google::protobuf::value::Kind;
 
 use super::messages::{self, DESTINATION, LB_NAMESPACE, Phase};
 use super::usage::UsageScanner;
+use crate::forward::rewrite_salt;
 use crate::metrics::Metrics;
 use crate::request::{self, Prompt};
 use crate::router::{RouteDecision, RouteError, RouteRequest, Router};
@@ -407,12 +408,32 @@ impl StreamHandler {
             cached_blocks = decision.cached_blocks,
             "routed"
         );
+        // The engine must cache under the namespace we hashed with: put the forwarded salt in
+        // its field and drop client salt fields; otherwise the body goes through untouched.
+        let forwarded_salt = salt
+            .as_ref()
+            .map(|s| crate::engine_salt::forwarded(&s.salt));
+        let rewritten = match (&parsed, body.as_deref()) {
+            (Some(_), Some(bytes)) => rewrite_salt(bytes, forwarded_salt.as_deref()),
+            _ => None,
+        };
         let destination = decision.destination();
-        let set = vec![messages::set_header(DESTINATION, destination.as_bytes())];
+        let mut set = vec![messages::set_header(DESTINATION, destination.as_bytes())];
+        let mut body_mutation = None;
+        if let (BodyMode::Buffered, Some(new)) = (self.request_mode, &rewritten) {
+            set.push(messages::set_header(
+                "content-length",
+                new.len().to_string().as_bytes(),
+            ));
+            body_mutation = Some(BodyMutation {
+                mutation: Some(body_mutation::Mutation::Body(new.clone())),
+            });
+        }
         out.push(messages::common(
             phase,
             CommonResponse {
                 header_mutation: messages::mutation(set, head.strip),
+                body_mutation,
                 clear_route_cache: true,
                 ..CommonResponse::default()
             },
@@ -421,7 +442,12 @@ impl StreamHandler {
         if let (BodyMode::FullDuplex, Some(body), Phase::RequestHeaders) =
             (self.request_mode, body.as_deref(), phase)
         {
-            out.extend(messages::stream_body(Phase::RequestBody, body, body_ends));
+            let forward = rewritten.as_deref().unwrap_or(body);
+            out.extend(messages::stream_body(
+                Phase::RequestBody,
+                forward,
+                body_ends,
+            ));
         }
         (
             State::Routed {

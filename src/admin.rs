@@ -217,6 +217,7 @@ async fn query_by_hash(State(s): State<AdminState>, body: axum::body::Bytes) -> 
 
 async fn workers(State(s): State<AdminState>) -> Response {
     let feeds = s.feeds.statuses();
+    let polls = s.feeds.poll_statuses();
     let list: Vec<Value> = s
         .router
         .workers()
@@ -247,6 +248,18 @@ async fn workers(State(s): State<AdminState>) -> Response {
                         "last_event_ms": st.last_event_ms.load(Relaxed),
                     })
                 });
+            let feed = feed.or_else(|| {
+                polls.iter().find(|(id, _)| *id == w.id).map(|(_, st)| {
+                    use std::sync::atomic::Ordering::Relaxed;
+                    json!({
+                        "engine": "trtllm",
+                        "connected": st.connected.load(Relaxed),
+                        "polls": st.polls.load(Relaxed),
+                        "failures": st.failures.load(Relaxed),
+                        "applied": st.applied.load(Relaxed),
+                    })
+                })
+            });
             json!({
                 "worker": w.id.endpoint.to_string(),
                 "dp_rank": w.id.dp_rank,

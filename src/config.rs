@@ -35,6 +35,27 @@ pub struct Config {
     pub workers: Vec<StaticWorker>,
     /// Where engines publish their KV events.
     pub events: EventsConfig,
+    /// Scraping engines' own load metrics.
+    pub engine_metrics: EngineMetricsConfig,
+}
+
+/// Scraping each worker's Prometheus `/metrics` for engine-reported load.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineMetricsConfig {
+    /// Scrape interval in milliseconds (0 = do not scrape).
+    pub interval_ms: u64,
+    /// Figures older than this are withdrawn from scoring.
+    pub stale_after_ms: u64,
+}
+
+impl Default for EngineMetricsConfig {
+    fn default() -> Self {
+        EngineMetricsConfig {
+            interval_ms: 200,
+            stale_after_ms: 2000,
+        }
+    }
 }
 
 /// Which event protocol the workers speak.
@@ -44,6 +65,8 @@ pub enum EventEngine {
     /// vLLM (and SGLang) over ZeroMQ.
     #[default]
     Vllm,
+    /// TensorRT-LLM's `POST /kv_cache_events` drain, polled.
+    Trtllm,
     /// No events: route on load alone.
     None,
 }
@@ -56,6 +79,24 @@ pub struct EventsConfig {
     pub engine: EventEngine,
     /// vLLM ZeroMQ ports.
     pub zmq: ZmqConfig,
+    /// TensorRT-LLM polling.
+    pub trtllm: TrtllmConfig,
+}
+
+/// TensorRT-LLM event polling.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrtllmConfig {
+    /// Milliseconds between drains of `POST /kv_cache_events`.
+    pub poll_interval_ms: u64,
+}
+
+impl Default for TrtllmConfig {
+    fn default() -> Self {
+        TrtllmConfig {
+            poll_interval_ms: 100,
+        }
+    }
 }
 
 /// vLLM's publisher conventions: rank `r` publishes on `port + r` and replays on
@@ -281,7 +322,7 @@ impl Config {
         worker: &WorkerId,
         overrides: Option<&StaticWorker>,
     ) -> Option<crate::events::subscriber::FeedEndpoints> {
-        if self.events.engine == EventEngine::None {
+        if self.events.engine != EventEngine::Vllm {
             return None;
         }
         let z = &self.events.zmq;
@@ -374,6 +415,15 @@ impl Config {
         }
         if s.cert_path.is_some() && !s.secure_serving {
             return bad("server.cert_path is set but server.secure_serving is false".into());
+        }
+        if self.events.trtllm.poll_interval_ms == 0 {
+            return bad("events.trtllm.poll_interval_ms must be > 0".into());
+        }
+        let em = &self.engine_metrics;
+        if em.interval_ms > 0 && em.stale_after_ms < em.interval_ms {
+            return bad(
+                "engine_metrics.stale_after_ms must be ≥ engine_metrics.interval_ms".into(),
+            );
         }
         if self.routing.max_body_bytes == 0 {
             return bad("routing.max_body_bytes must be > 0".into());

@@ -4,12 +4,14 @@
 
 pub mod admin;
 pub mod config;
+pub mod engine_metrics;
 pub mod engine_salt;
 pub mod events;
 pub mod extproc;
 pub mod fingerprint;
 pub mod forward;
 pub mod hashing;
+pub mod httpc;
 pub mod index;
 pub mod metrics;
 pub mod request;

@@ -46,6 +46,10 @@ impl WorkerRuntime {
     pub fn set_ready(&self, ready: bool) {
         self.ready.store(ready, Ordering::Relaxed);
     }
+    /// The engine-reported load in use (`None` when stale or unknown).
+    pub fn engine_load(&self) -> Option<EngineLoad> {
+        *self.engine.read()
+    }
     /// Records fresh engine-reported load (`None` when stale or unknown).
     pub fn set_engine_load(&self, load: Option<EngineLoad>) {
         *self.engine.write() = load;

@@ -115,6 +115,12 @@ impl Server {
             {
                 feeds.start(id, index.clone(), endpoints);
             }
+            if config.events.engine == crate::config::EventEngine::Trtllm
+                && let Some(index) = router.index(&w.model)
+            {
+                let every = std::time::Duration::from_millis(config.events.trtllm.poll_interval_ms);
+                feeds.start_trtllm(id, index.clone(), every);
+            }
         }
         let (grpc_addr, health_addr, metrics_addr) =
             (local(&grpc), local(&health), local(&metrics_l));
@@ -196,6 +202,19 @@ impl Server {
                 tracing::error!(error = %e, "metrics server stopped");
             }
         }));
+        if config.engine_metrics.interval_ms > 0 {
+            let interval = std::time::Duration::from_millis(config.engine_metrics.interval_ms);
+            let stale = std::time::Duration::from_millis(config.engine_metrics.stale_after_ms);
+            for w in router.workers() {
+                let mut stop = rx.clone();
+                tasks.push(tokio::spawn(async move {
+                    tokio::select! {
+                        _ = crate::engine_metrics::scrape(w, interval, stale) => {}
+                        _ = stop.wait_for(|s| *s) => {}
+                    }
+                }));
+            }
+        }
         let admin = crate::admin::routes(crate::admin::AdminState {
             router: router.clone(),
             feeds: feeds.clone(),

@@ -205,7 +205,7 @@ async fn tls_on_the_ext_proc_port_with_a_generated_certificate() {
     let Some(rig) = Rig::start(
         EnvoyShape::FullDuplexTls,
         2,
-        "server: {bind_address: 127.0.0.1, grpc_port: 0, grpc_health_port: 0, metrics_port: 0, admin_port: 0, secure_serving: true}\nevents: {engine: none}",
+        "server: {bind_address: 127.0.0.1, grpc_port: 0, grpc_health_port: 0, metrics_port: 0, admin_port: 0, secure_serving: true}\nevents: {engine: none}\nengine_metrics: {interval_ms: 0}",
     )
     .await
     else {

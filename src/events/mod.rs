@@ -5,9 +5,11 @@
 //! - `vllm.rs`: decoding vLLM's msgpack batches (both layouts, both hash forms).
 //! - `apply.rs`: the namespace rule and the index updates.
 //! - `subscriber.rs`: the ZeroMQ SUB/DEALER feed with sequence tracking and replay.
+//! - `trtllm.rs`: TensorRT-LLM's destructive HTTP drain, polled.
 
 pub mod apply;
 pub mod subscriber;
+pub mod trtllm;
 pub mod vllm;
 
 use std::collections::HashMap;
@@ -27,10 +29,17 @@ struct Running {
     task: JoinHandle<()>,
 }
 
+/// One running TensorRT-LLM poller.
+struct Poller {
+    status: Arc<trtllm::PollStatus>,
+    task: JoinHandle<()>,
+}
+
 /// The running feeds.
 #[derive(Default)]
 pub struct Feeds {
     running: Mutex<HashMap<WorkerId, Running>>,
+    pollers: Mutex<HashMap<WorkerId, Poller>>,
     counters: Arc<ApplyCounters>,
 }
 
@@ -61,10 +70,44 @@ impl Feeds {
         }
     }
 
-    /// Stops a worker's feed.
+    /// Starts polling a TensorRT-LLM worker's event drain. Needs a Tokio runtime.
+    pub fn start_trtllm(
+        &self,
+        worker: WorkerId,
+        index: Arc<KvIndex>,
+        interval: std::time::Duration,
+    ) {
+        let mut pollers = self.pollers.lock();
+        if pollers.contains_key(&worker) {
+            return;
+        }
+        let status = Arc::new(trtllm::PollStatus::default());
+        let task = tokio::spawn(trtllm::poll(
+            worker,
+            index,
+            interval,
+            self.counters.clone(),
+            status.clone(),
+        ));
+        pollers.insert(worker, Poller { status, task });
+    }
+
+    /// The status of every TensorRT-LLM poller.
+    pub fn poll_statuses(&self) -> Vec<(WorkerId, Arc<trtllm::PollStatus>)> {
+        self.pollers
+            .lock()
+            .iter()
+            .map(|(w, p)| (*w, p.status.clone()))
+            .collect()
+    }
+
+    /// Stops a worker's feed or poller.
     pub fn stop(&self, worker: &WorkerId) {
         if let Some(r) = self.running.lock().remove(worker) {
             r.task.abort();
+        }
+        if let Some(p) = self.pollers.lock().remove(worker) {
+            p.task.abort();
         }
     }
 
@@ -82,6 +125,9 @@ impl Drop for Feeds {
     fn drop(&mut self) {
         for (_, r) in self.running.lock().drain() {
             r.task.abort();
+        }
+        for (_, p) in self.pollers.lock().drain() {
+            p.task.abort();
         }
     }
 }

@@ -1,0 +1,309 @@
+//! TensorRT-LLM KV events: drained by polling `POST /kv_cache_events` on the engine's HTTP server
+//! (a destructive read: every call returns the events since the previous one and forgets them).
+//!
+//! Rules (from how TensorRT-LLM publishes):
+//! - `stored` (`parent_hash`, `blocks[{block_hash, tokens[{token_id}], cache_level, lora_id,
+//!   cache_salt}]`): blocks carrying more than one distinct salt drop the event whole; a block with
+//!   fewer tokens than the block size ends the event (the blocks before it are kept, and a later
+//!   removal of that hash is ignored); a block with more tokens than the block size drops the
+//!   event. `cache_level` 0 is device memory, anything else an offload tier. The salt (per block
+//!   or event-level) is decoded like vLLM's (`engine_salt::decode`); an undecodable salt or a LoRA
+//!   id (whose adapter name is not in the event) makes the namespace unknown: never credited.
+//! - `removed` (`block_hashes`), `created` and `updated` (ignored).
+//! - Malformed events and garbage responses are dropped and counted; the poller keeps going.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use serde_json::Value;
+
+use super::apply::ApplyCounters;
+use crate::engine_salt;
+use crate::hashing::HashSeed;
+use crate::httpc;
+use crate::index::{EngineBlockHash, KvIndex, Medium, StoreBlocks};
+use crate::worker::WorkerId;
+
+/// Largest drain response read.
+const MAX_DRAIN: usize = 64 << 20;
+
+/// Status of one poller.
+#[derive(Debug, Default)]
+pub struct PollStatus {
+    /// The last poll succeeded.
+    pub connected: AtomicBool,
+    /// Successful polls.
+    pub polls: AtomicU64,
+    /// Failed polls (connection, status, garbage).
+    pub failures: AtomicU64,
+    /// Events applied.
+    pub applied: AtomicU64,
+}
+
+fn hash(v: &Value) -> Option<EngineBlockHash> {
+    v.as_u64()
+        .or_else(|| v.as_i64().map(|i| i as u64))
+        .map(EngineBlockHash)
+}
+
+/// Applies one TensorRT-LLM event. `Err` = dropped (malformed or against the rules).
+pub fn apply_event(index: &KvIndex, worker: &WorkerId, event: &Value) -> Result<(), &'static str> {
+    let data = event.get("data").ok_or("no data")?;
+    match data.get("type").and_then(Value::as_str).ok_or("no type")? {
+        "stored" => stored(index, worker, data),
+        "removed" => {
+            let hashes = data
+                .get("block_hashes")
+                .and_then(Value::as_array)
+                .ok_or("removed without block_hashes")?
+                .iter()
+                .map(hash)
+                .collect::<Option<Vec<_>>>()
+                .ok_or("bad block hash")?;
+            // TensorRT-LLM does not say which level; a removal leaves every tier.
+            for medium in [Medium::Device, Medium::Offload] {
+                index
+                    .remove(worker, &hashes, medium)
+                    .map_err(|_| "worker not registered")?;
+            }
+            Ok(())
+        }
+        "created" | "updated" => Ok(()),
+        _ => Err("unknown event type"),
+    }
+}
+
+fn stored(index: &KvIndex, worker: &WorkerId, data: &Value) -> Result<(), &'static str> {
+    let bs = index.block_size();
+    let blocks = data
+        .get("blocks")
+        .and_then(Value::as_array)
+        .ok_or("stored without blocks")?;
+    let parent = match data.get("parent_hash") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(hash(v).ok_or("bad parent hash")?),
+    };
+    let event_salt = data.get("cache_salt").filter(|v| !v.is_null());
+    let mut salts = std::collections::BTreeSet::new();
+    let mut lora = false;
+    let mut level = None;
+    let mut hashes = Vec::new();
+    let mut tokens = Vec::new();
+    for b in blocks {
+        let toks = b
+            .get("tokens")
+            .and_then(Value::as_array)
+            .ok_or("block without tokens")?;
+        if toks.len() > bs {
+            return Err("block longer than the block size");
+        }
+        if toks.len() < bs {
+            break; // a partial block ends the event
+        }
+        for t in toks {
+            let id = t
+                .get("token_id")
+                .and_then(Value::as_u64)
+                .and_then(|t| u32::try_from(t).ok())
+                .ok_or("bad token id")?;
+            tokens.push(id);
+        }
+        hashes
+            .push(hash(b.get("block_hash").ok_or("block without hash")?).ok_or("bad block hash")?);
+        let salt = b.get("cache_salt").filter(|v| !v.is_null()).or(event_salt);
+        salts.insert(salt.map(|s| s.to_string()));
+        lora |= b
+            .get("lora_id")
+            .is_some_and(|l| !l.is_null() && l.as_u64() != Some(0));
+        level = level.or(b.get("cache_level").and_then(Value::as_u64));
+    }
+    if salts.len() > 1 {
+        return Err("blocks of one event carry different salts");
+    }
+    if hashes.is_empty() {
+        return Ok(());
+    }
+    let salt = salts.into_iter().next().flatten();
+    let root_seed = if lora {
+        None
+    } else {
+        match salt {
+            None => Some(HashSeed::UNSALTED),
+            Some(json) => serde_json::from_str::<String>(&json)
+                .ok()
+                .and_then(|s| engine_salt::decode(&s))
+                .map(|ns| HashSeed::new(None, Some(&ns))),
+        }
+    };
+    let medium = if level.unwrap_or(0) == 0 {
+        Medium::Device
+    } else {
+        Medium::Offload
+    };
+    index
+        .store(
+            worker,
+            &StoreBlocks {
+                parent,
+                root_seed,
+                engine_hashes: &hashes,
+                tokens: &tokens,
+                medium,
+            },
+        )
+        .map_err(|_| "store refused")?;
+    Ok(())
+}
+
+/// Polls one worker until the task is aborted.
+pub async fn poll(
+    worker: WorkerId,
+    index: Arc<KvIndex>,
+    interval: Duration,
+    counters: Arc<ApplyCounters>,
+    status: Arc<PollStatus>,
+) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let r = httpc::request(
+            worker.endpoint,
+            "POST",
+            "/kv_cache_events",
+            b"{}",
+            Duration::from_secs(5),
+            MAX_DRAIN,
+        )
+        .await;
+        let events = match r {
+            Ok(r) if r.status == 200 => match serde_json::from_slice::<Value>(&r.body) {
+                Ok(Value::Array(events)) => events,
+                _ => {
+                    status.failures.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+            },
+            _ => {
+                status.connected.store(false, Ordering::Relaxed);
+                status.failures.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+        };
+        status.connected.store(true, Ordering::Relaxed);
+        status.polls.fetch_add(1, Ordering::Relaxed);
+        for ev in &events {
+            match apply_event(&index, &worker, ev) {
+                Ok(()) => {
+                    status.applied.fetch_add(1, Ordering::Relaxed);
+                    counters.applied.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(why) => {
+                    counters.malformed.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(%worker, why, "dropping TensorRT-LLM KV event");
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hashing::prompt_hashes;
+    use crate::index::IndexLimits;
+    use crate::salt::{CacheSalt, SaltSource, seed_for};
+    use serde_json::json;
+
+    fn setup() -> (KvIndex, WorkerId) {
+        let idx = KvIndex::new(2, IndexLimits::default());
+        let w = WorkerId::new("10.0.0.1:8000".parse().unwrap());
+        idx.add_worker(w);
+        (idx, w)
+    }
+
+    fn block(h: u64, toks: &[u32], salt: Option<&str>) -> Value {
+        json!({"type": "stored_block", "block_hash": h, "tokens": toks.iter().map(|t| json!({"token_id": t, "token_extra_id": 0})).collect::<Vec<_>>(), "lora_id": null, "cache_level": 0, "priority": 35, "cache_salt": salt})
+    }
+
+    fn overlap(idx: &KvIndex, toks: &[u32], salt: Option<&str>) -> u32 {
+        let s = salt.map(|s| CacheSalt::new(s, SaltSource::Body).unwrap().unwrap());
+        let seqs = prompt_hashes(toks, 2, seed_for(s.as_ref(), None)).1;
+        idx.query(&seqs)
+            .iter()
+            .map(|o| o.total_blocks)
+            .max()
+            .unwrap_or(0)
+    }
+
+    #[test]
+    fn stored_removed_and_salts() {
+        let (idx, w) = setup();
+        let fwd = engine_salt::forwarded(&CacheSalt::new("t", SaltSource::Body).unwrap().unwrap());
+        let ev = json!({"event_id": 1, "data": {"type": "stored", "parent_hash": null, "blocks": [block(u64::MAX, &[1, 2], Some(&fwd)), block(5, &[3, 4], Some(&fwd))]}});
+        apply_event(&idx, &w, &ev).unwrap();
+        assert_eq!(overlap(&idx, &[1, 2, 3, 4], Some("t")), 2);
+        assert_eq!(overlap(&idx, &[1, 2, 3, 4], None), 0);
+        let rm = json!({"event_id": 2, "data": {"type": "removed", "block_hashes": [5]}});
+        apply_event(&idx, &w, &rm).unwrap();
+        assert_eq!(overlap(&idx, &[1, 2, 3, 4], Some("t")), 1);
+    }
+
+    #[test]
+    fn rule_violations_drop_or_truncate() {
+        let (idx, w) = setup();
+        let mixed = json!({"data": {"type": "stored", "blocks": [block(1, &[1, 2], Some("kvepp:a")), block(2, &[3, 4], Some("kvepp:b"))]}});
+        assert!(apply_event(&idx, &w, &mixed).is_err());
+        let long = json!({"data": {"type": "stored", "blocks": [block(1, &[1, 2, 3], None)]}});
+        assert!(apply_event(&idx, &w, &long).is_err());
+        let partial = json!({"data": {"type": "stored", "blocks": [block(1, &[1, 2], None), block(2, &[3], None), block(3, &[5, 6], None)]}});
+        apply_event(&idx, &w, &partial).unwrap();
+        assert_eq!(
+            idx.worker_blocks(&w).unwrap(),
+            1,
+            "the partial block ends the event"
+        );
+        let foreign =
+            json!({"data": {"type": "stored", "blocks": [block(9, &[7, 7], Some("raw-salt"))]}});
+        apply_event(&idx, &w, &foreign).unwrap();
+        assert_eq!(
+            overlap(&idx, &[7, 7], Some("raw-salt")),
+            0,
+            "undecodable salt is never credited"
+        );
+        for bad in [
+            json!(1),
+            json!({"data": {}}),
+            json!({"data": {"type": "stored", "blocks": "x"}}),
+            json!({"data": {"type": "stored", "blocks": [{"tokens": [{"token_id": -1}, {"token_id": 2}], "block_hash": 1}]}}),
+            json!({"data": {"type": "nope"}}),
+        ] {
+            assert!(apply_event(&idx, &w, &bad).is_err(), "{bad}");
+        }
+        assert!(
+            apply_event(
+                &idx,
+                &w,
+                &json!({"data": {"type": "created", "num_blocks_per_cache_level": [10]}})
+            )
+            .is_ok()
+        );
+    }
+
+    #[test]
+    fn salt_rule_matches_routing() {
+        let s = CacheSalt::new("org/team", SaltSource::Header)
+            .unwrap()
+            .unwrap();
+        let (idx, w) = setup();
+        let ev = json!({"data": {"type": "stored", "cache_salt": engine_salt::forwarded(&s), "blocks": [block(1, &[4, 4], None)]}});
+        apply_event(&idx, &w, &ev).unwrap();
+        let seqs = prompt_hashes(&[4, 4], 2, seed_for(Some(&s), None)).1;
+        assert_eq!(
+            idx.query(&seqs).len(),
+            1,
+            "event-level salt applies to its blocks"
+        );
+    }
+}

@@ -34,8 +34,9 @@ helm-test:
 
 ## Benchmarks print figures as ratios against a baseline measured in the same run.
 ## TRACE=path/to/mooncake.jsonl adds a trace-driven run.
-bench:
+bench: tools
 	$(CARGO) bench --bench core -- $(if $(TRACE),--trace $(TRACE),)
+	KV_EPP_VENV=$(CURDIR)/.venv $(CARGO) bench --bench e2e
 
 fmt:
 	$(CARGO) fmt --all

@@ -7,6 +7,8 @@
 //!   the caller already computed with the intended salt (i64 on the wire, read as u64). Any
 //!   non-null `cache_salt` field, even `""`, is a 400: the hashes already carry the salt.
 //! - `GET /workers`: per worker, readiness, in-flight requests, event feed state and blocks held.
+//! - `GET /debug/digest`: per model, an order-independent digest of the index (no salts), so
+//!   replicas can be checked for convergence from outside.
 //!
 //! Bodies are limited to [`MAX_BODY`] bytes; every error is a 4xx with a JSON reason. Salts never
 //! appear in responses.
@@ -45,6 +47,7 @@ pub fn routes(state: AdminState) -> HttpRouter {
         .route("/query", post(query))
         .route("/query_by_hash", post(query_by_hash))
         .route("/workers", get(workers))
+        .route("/debug/digest", get(digest))
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(state)
 }
@@ -213,6 +216,20 @@ async fn query_by_hash(State(s): State<AdminState>, body: axum::body::Bytes) -> 
     let seqs: Vec<SequenceHash> = sequence_hashes(&locals);
     let overlaps = index.query(&seqs);
     answer(&s.router, base, seqs.len(), overlaps)
+}
+
+async fn digest(State(s): State<AdminState>) -> Response {
+    let mut models = serde_json::Map::new();
+    for name in s.router.model_names() {
+        if let Some(index) = s.router.index(&name) {
+            let (digest, blocks) = index.digest();
+            models.insert(
+                name,
+                json!({"digest": format!("{digest:016x}"), "blocks": blocks, "pairs": index.pairs()}),
+            );
+        }
+    }
+    Json(json!({ "models": models })).into_response()
 }
 
 async fn workers(State(s): State<AdminState>) -> Response {

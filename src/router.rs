@@ -231,6 +231,13 @@ impl Router {
         &self.metrics
     }
 
+    /// The configured model names.
+    pub fn model_names(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.models.keys().cloned().collect();
+        v.sort();
+        v
+    }
+
     /// The index of a configured model.
     pub fn index(&self, model: &str) -> Option<&Arc<KvIndex>> {
         self.models.get(model).map(|m| &m.index)

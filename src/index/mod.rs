@@ -591,6 +591,34 @@ impl KvIndex {
     }
 }
 
+impl KvIndex {
+    /// An order-independent digest of everything the index holds (worker, engine hash, prefix
+    /// hash, namespace seed, tiers), and the number of blocks. Two replicas that applied the same
+    /// events have equal digests, whatever the order they learned them in. Reveals no salt.
+    pub fn digest(&self) -> (u64, usize) {
+        let mut acc = 0u64;
+        let mut n = 0usize;
+        self.for_each_block(|w, h, seq, seed, tiers| {
+            let mut buf = [0u8; 48];
+            let ip = match w.endpoint.ip() {
+                std::net::IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
+                std::net::IpAddr::V6(v6) => v6.octets(),
+            };
+            buf[..16].copy_from_slice(&ip);
+            buf[16..18].copy_from_slice(&w.endpoint.port().to_le_bytes());
+            buf[18..22].copy_from_slice(&w.dp_rank.to_le_bytes());
+            buf[22] = tiers;
+            buf[23] = u8::from(seq.is_some());
+            buf[24..32].copy_from_slice(&h.0.to_le_bytes());
+            buf[32..40].copy_from_slice(&seq.map_or(0, |s| s.0).to_le_bytes());
+            buf[40..48].copy_from_slice(&seed.map_or(0, |s| s.0).to_le_bytes());
+            acc = acc.wrapping_add(xxhash_rust::xxh3::xxh3_64(&buf));
+            n += 1;
+        });
+        (acc, n)
+    }
+}
+
 impl Drop for KvIndex {
     fn drop(&mut self) {
         // SAFETY: exclusive access; no reader can hold the registry any more.

@@ -267,6 +267,37 @@ fn capacity_rejects_and_worker_limit_resets() {
 }
 
 #[test]
+fn digest_is_order_independent_and_sensitive() {
+    let t: Vec<u32> = (0..12).collect();
+    let build = |order: &[usize]| {
+        let idx = KvIndex::new(BS, IndexLimits::default());
+        idx.add_worker(w(1));
+        idx.add_worker(w(2));
+        let s = HashSeed::new(None, Some("a"));
+        for &i in order {
+            match i {
+                0 => {
+                    store(&idx, w(1), None, s, &[1, 2], &t[..8], Medium::Device);
+                }
+                1 => {
+                    store(&idx, w(2), None, s, &[7], &t[..4], Medium::Offload);
+                }
+                _ => {
+                    store(&idx, w(2), None, HashSeed::UNSALTED, &[8], &t[4..8], Medium::Device);
+                }
+            }
+        }
+        idx
+    };
+    let a = build(&[0, 1, 2]);
+    let b = build(&[2, 0, 1]);
+    assert_eq!(a.digest(), b.digest());
+    assert_eq!(a.digest().1, 4);
+    a.remove(&w(1), &[EngineBlockHash(2)], Medium::Device).unwrap();
+    assert_ne!(a.digest(), b.digest());
+}
+
+#[test]
 fn tiers_are_tracked_per_block() {
     let idx = KvIndex::new(BS, IndexLimits::default());
     idx.add_worker(w(1));

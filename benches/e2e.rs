@@ -1,0 +1,184 @@
+//! `make bench` (end to end): the latency kv-epp adds in front of a model server, measured through
+//! a real Envoy 1.40 on loopback: client → Envoy → kv-epp (ext_proc, FULL_DUPLEX_STREAMED) →
+//! upstream, against client → Envoy → upstream directly, in the same run, at a fixed request rate,
+//! for 1k, 8k and 32k-token prompts (token-ID prompts, so tokenization is not included here).
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use common::{ChildGuard, Envoy, EnvoyShape, Upstream, free_port, http, kv_epp_config};
+use kv_epp::server::Server;
+
+const REQUESTS: usize = 200;
+const RATE_PER_S: f64 = 50.0;
+
+fn pct(v: &mut [f64], q: f64) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    v[rank - 1]
+}
+
+/// Envoy straight to one upstream (no ext_proc): the baseline.
+async fn direct_envoy(bin: &std::path::Path, upstream: SocketAddr) -> (u16, ChildGuard) {
+    let (port, admin) = (free_port(), free_port());
+    let yaml = format!(
+        r#"static_resources:
+  listeners:
+  - name: direct
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
+    per_connection_buffer_limit_bytes: 33554432
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: direct
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {{prefix: "/"}}
+                route: {{cluster: up, timeout: 60s}}
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: up
+    type: STATIC
+    connect_timeout: 2s
+    load_assignment:
+      cluster_name: up
+      endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {}}}}}}}}}]}}]
+admin:
+  address: {{socket_address: {{address: 127.0.0.1, port_value: {admin}}}}}
+"#,
+        upstream.port()
+    );
+    let path = std::env::temp_dir().join(format!("kv-epp-bench-direct-{port}.yaml"));
+    std::fs::write(&path, yaml).unwrap();
+    let child = std::process::Command::new(bin)
+        .args([
+            "-c",
+            path.to_str().unwrap(),
+            "--use-dynamic-base-id",
+            "--concurrency",
+            "1",
+            "-l",
+            "error",
+        ])
+        .spawn()
+        .unwrap();
+    let guard = ChildGuard(child);
+    for _ in 0..300 {
+        if let Ok(r) = http(("127.0.0.1", admin), "GET", "/ready", &[], b"").await
+            && r.status == 200
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    (port, guard)
+}
+
+/// Sends REQUESTS requests at RATE_PER_S (open loop) and returns latencies in ms.
+async fn run(port: u16, body: &[u8]) -> Vec<f64> {
+    let body = std::sync::Arc::new(body.to_vec());
+    let gap = Duration::from_secs_f64(1.0 / RATE_PER_S);
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..REQUESTS {
+        let due = start + gap * i as u32;
+        tokio::time::sleep_until(due.into()).await;
+        let body = body.clone();
+        tasks.push(tokio::spawn(async move {
+            let t = Instant::now();
+            let r = http(
+                ("127.0.0.1", port),
+                "POST",
+                "/v1/completions",
+                &[("content-type", "application/json")],
+                &body,
+            )
+            .await
+            .expect("request");
+            assert_eq!(r.status, 200, "{}", r.text());
+            t.elapsed().as_secs_f64() * 1000.0
+        }));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let Some(bin) = common::envoy_binary() else {
+        eprintln!("e2e bench needs Envoy in .venv (run `make tools`)");
+        std::process::exit(1);
+    };
+    let up = Upstream::start().await;
+    let cfg = kv_epp_config(&[up.addr], "");
+    let server = Server::start(&cfg).await.unwrap();
+    let via = Envoy::start(&bin, EnvoyShape::FullDuplex, server.grpc_addr.port()).await;
+    let (direct_port, _direct) = direct_envoy(&bin, up.addr).await;
+    println!(
+        "end-to-end latency added by kv-epp (Envoy 1.40, loopback, {REQUESTS} requests at {RATE_PER_S} req/s, token-ID prompts)\n"
+    );
+    println!(
+        "{:>8} | {:>10} {:>10} | {:>10} {:>10} | {:>10} {:>10}",
+        "prompt", "direct p50", "p99", "kv-epp p50", "p99", "added p50", "ratio p50"
+    );
+    for tokens in [1024usize, 8192, 32768] {
+        let ids: Vec<u32> = (0..tokens as u32).map(|i| (i * 7919) % 128_000).collect();
+        let body = format!(
+            r#"{{"model":"m","prompt":{},"max_tokens":1}}"#,
+            serde_json::to_string(&ids).unwrap()
+        );
+        // Warm both paths.
+        let _ = run(direct_port, body.as_bytes()).await;
+        let _ = run(via.port, body.as_bytes()).await;
+        let mut d = run(direct_port, body.as_bytes()).await;
+        let mut k = run(via.port, body.as_bytes()).await;
+        let (d50, d99, k50, k99) = (
+            pct(&mut d, 0.5),
+            pct(&mut d, 0.99),
+            pct(&mut k, 0.5),
+            pct(&mut k, 0.99),
+        );
+        println!(
+            "{:>7}t | {:>8.2}ms {:>8.2}ms | {:>8.2}ms {:>8.2}ms | {:>8.2}ms {:>9.2}x",
+            tokens,
+            d50,
+            d99,
+            k50,
+            k99,
+            k50 - d50,
+            k50 / d50
+        );
+    }
+    let m = http(server.metrics_addr, "GET", "/metrics", &[], b"")
+        .await
+        .unwrap()
+        .text();
+    if let (Some(sum), Some(count)) = (
+        m.lines()
+            .find(|l| l.starts_with("kv_epp_decision_seconds_sum"))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok()),
+        m.lines()
+            .find(|l| l.starts_with("kv_epp_decision_seconds_count"))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok()),
+    ) {
+        println!(
+            "\nkv-epp decision time (parse + hash + query + pick), mean over all requests: {:.3} ms",
+            sum / count * 1000.0
+        );
+    }
+    server.stop().await;
+}

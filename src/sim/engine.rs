@@ -201,17 +201,14 @@ impl Engine {
             cached_tokens: admission.cached_tokens,
         };
         let uncached = req.tokens.len() - admission.cached_tokens;
-        tokio::time::sleep(Duration::from_micros(
-            self.config.latency.prefill_us(uncached),
-        ))
-        .await;
+        tokio::time::sleep(self.config.latency.prefill(uncached)).await;
         drop(prefill);
         Ok(running)
     }
 
     /// Time to generate one more token.
     pub fn decode_step(&self) -> Duration {
-        Duration::from_micros(self.config.latency.decode_us_per_token)
+        self.config.latency.decode_step()
     }
 
     /// Drops every cached block and publishes `AllBlocksCleared` (vLLM's `/reset_prefix_cache`).
@@ -220,6 +217,8 @@ impl Engine {
         s.cache.clear();
         let events = s.cache.take_events();
         let _ = self.events.send(PublishMsg::Batch(events));
+        drop(s);
+        self.freed.notify_waiters();
     }
 
     /// Simulates an engine restart: an empty cache and zeroed counters, sequence numbers from 0,
@@ -230,6 +229,9 @@ impl Engine {
         s.cache = PrefixCache::new(self.config.num_blocks, self.config.block_size);
         s.generation += 1;
         let _ = self.events.send(PublishMsg::Restart);
+        drop(s);
+        // A request waiting for blocks may fit in the empty cache.
+        self.freed.notify_waiters();
     }
 }
 

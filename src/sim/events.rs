@@ -460,7 +460,13 @@ mod tests {
         for present in ["parent_block_hash", "lora_id", "lora_name", "extra_keys"] {
             assert!(find(present).is_some(), "{present}");
         }
-        for absent in ["locality", "ownership", "session_id", "lookahead", "sliding"] {
+        for absent in [
+            "locality",
+            "ownership",
+            "session_id",
+            "lookahead",
+            "sliding",
+        ] {
             assert!(find(absent).is_none(), "{absent}");
         }
         // lora_id 1 (first adapter), then medium.

@@ -353,6 +353,95 @@ mod tests {
     use crate::sim::engine::EngineStats;
     use crate::sim::latency::LatencyModel;
 
+    async fn http(addr: SocketAddr, path: &str, body: &str) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let req = format!(
+            "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        out
+    }
+
+    /// The tokenizer hook serves chat (and text) prompts end to end, streaming included.
+    #[tokio::test]
+    async fn tokenize_hook_serves_chat() {
+        let hook: TokenizeHook = Arc::new(|body: &Value| match body.get("messages") {
+            Some(_) => Ok(vec![1, 2, 3, 4, 5]),
+            None => Err("only chat here".into()),
+        });
+        let encoder = crate::sim::events::BatchEncoder {
+            layout: crate::sim::events::EventLayout::Map,
+            hash_form: crate::sim::events::HashForm::Int,
+            block_size: 4,
+            lora_modules: vec![],
+            data_parallel_rank: None,
+        };
+        let worker = start(
+            SimWorkerConfig {
+                http_addr: "127.0.0.1:0".parse().unwrap(),
+                served: Served {
+                    model: "m".into(),
+                    lora_modules: vec![],
+                },
+                engine: EngineConfig {
+                    num_blocks: 8,
+                    block_size: 4,
+                    max_num_seqs: 2,
+                    latency: LatencyModel {
+                        base_us: 0,
+                        prefill_us_per_token: 0.0,
+                        decode_us_per_token: 0,
+                    },
+                },
+                publisher: PublisherConfig {
+                    events_endpoint: "tcp://127.0.0.1:0".into(),
+                    replay_endpoint: None,
+                    topic: String::new(),
+                    buffer_steps: 4,
+                    drop_fraction: 0.0,
+                    fault_seed: 0,
+                    encoder,
+                },
+            },
+            Some(hook),
+        )
+        .await
+        .unwrap();
+        let chat = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":2}"#;
+        let plain = http(worker.http_addr, "/v1/chat/completions", chat).await;
+        assert!(plain.starts_with("HTTP/1.1 200"), "{plain}");
+        assert!(plain.contains(r#""object":"chat.completion""#), "{plain}");
+        assert!(plain.contains(r#""content":"sim sim""#), "{plain}");
+        assert!(plain.contains(r#""prompt_tokens":5"#), "{plain}");
+        let streamed = chat.replace(
+            "}],",
+            r#"}],"stream":true,"stream_options":{"include_usage":true},"#,
+        );
+        let sse = http(worker.http_addr, "/v1/chat/completions", &streamed).await;
+        assert!(
+            sse.contains(r#""delta":{"content":"","role":"assistant"}"#),
+            "{sse}"
+        );
+        assert!(sse.contains(r#""object":"chat.completion.chunk""#), "{sse}");
+        assert!(sse.contains(r#""cached_tokens":4"#), "{sse}");
+        assert!(sse.contains("data: [DONE]\n\n"), "{sse}");
+        let text = http(
+            worker.http_addr,
+            "/v1/completions",
+            r#"{"model":"m","prompt":"hi"}"#,
+        )
+        .await;
+        assert!(
+            text.starts_with("HTTP/1.1 400") && text.contains("only chat here"),
+            "{text}"
+        );
+    }
+
     #[test]
     fn metrics_use_vllm_names_and_labels() {
         let cfg = EngineConfig {

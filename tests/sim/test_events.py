@@ -294,7 +294,7 @@ def test_every_field_in_both_layouts_and_hash_forms(start, layout, form):
     rank = ["--data-parallel-rank", "2"] if form == "bytes" else []
     w = start(
         "--event-layout", layout, "--hash-form", form, "--topic", "kv@sim",
-        "--lora-modules", "ad-x,ad", *rank,
+        "--lora-modules", "ad-x,ad", "--num-blocks", "8", *rank,
     )
     want_rank = 2 if rank else None
     seq = 0
@@ -366,6 +366,19 @@ def test_every_field_in_both_layouts_and_hash_forms(start, layout, form):
     assert w.complete(prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     (ev,) = next_batch()[0].events
     assert isinstance(ev, STORED) and ev.block_hashes == unsalted, "same digests after a reset"
+
+    # 7 new blocks with 6 free: the least recently used block (the tail of the last prompt,
+    # freed first) is evicted, announced before the blocks that replace it.
+    long_prompt = list(range(500, 528))
+    w.complete(long_prompt)
+    b, payload = next_batch()
+    removed, stored = b.events
+    assert isinstance(removed, REMOVED) and isinstance(stored, STORED)
+    assert removed.block_hashes == [unsalted[1]]
+    check_hash(removed.block_hashes[0], form, payload)
+    assert (removed.medium, removed.group_idx, removed.locality, removed.ownership) == (
+        "GPU", 0, None, None)
+    assert stored.token_ids == long_prompt and len(stored.block_hashes) == 7
 
 
 class CacheModel:

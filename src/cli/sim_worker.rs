@@ -98,6 +98,17 @@ pub fn effective_config(args: &SimWorkerArgs) -> Result<SimWorkerConfig, String>
         }
         None => None,
     };
+    if let (Some(flag), Some(m)) = (args.block_size, &configured)
+        && flag != m.block_size
+    {
+        // Allowed on purpose (it exercises the router's block-size mismatch handling), but loud.
+        tracing::warn!(
+            flag,
+            configured = m.block_size,
+            model = %m.name,
+            "--block-size differs from the model's block_size in --config-file; using the flag"
+        );
+    }
     let block_size = args
         .block_size
         .or(configured.as_ref().map(|m| m.block_size))

@@ -312,7 +312,7 @@ impl ReplayBuffer {
     }
 
     /// The answer to a replay request: `[b"", seq, payload]` per batch, then the end marker
-    /// `[b"", 0xFFFFFFFFFFFFFFFF, b""]` (the ROUTER identity frame is added by the caller).
+    /// `[b"", 0xFFFFFFFFFFFFFFFF, b""]` (the caller puts the request's envelope in front).
     pub fn answer(&self, start: u64) -> Vec<[Bytes; 3]> {
         let mut out: Vec<[Bytes; 3]> = self
             .since(start)
@@ -328,16 +328,18 @@ impl ReplayBuffer {
     }
 }
 
-/// Parses a replay request (after the ROUTER identity frame): `[b"", start_seq 8-byte BE]`.
-/// A request without the empty delimiter (`[start_seq]`) is accepted too.
-pub fn parse_replay_request(frames: &[Bytes]) -> Option<u64> {
-    let seq = match frames {
-        [empty, seq] if empty.is_empty() => seq,
-        [seq] => seq,
+/// Splits a replay request as a ROUTER receives it, `[identity..., b"", start_seq 8-byte BE]`,
+/// into its envelope (the identity frames, to send back in front of the answer) and `start_seq`.
+/// A DEALER that omits the empty delimiter (`[identity, start_seq]`) is answered too.
+pub fn parse_replay_request(frames: &[Bytes]) -> Option<(&[Bytes], u64)> {
+    let (seq, head) = frames.split_last()?;
+    let envelope = match head.split_last() {
+        Some((empty, envelope)) if empty.is_empty() && !envelope.is_empty() => envelope,
+        _ if head.len() == 1 && !head[0].is_empty() => head,
         _ => return None,
     };
     let b: [u8; 8] = seq.as_ref().try_into().ok()?;
-    Some(u64::from_be_bytes(b))
+    Some((envelope, u64::from_be_bytes(b)))
 }
 
 #[cfg(test)]
@@ -506,13 +508,20 @@ mod tests {
     #[test]
     fn replay_requests() {
         let seq = Bytes::copy_from_slice(&7u64.to_be_bytes());
-        assert_eq!(parse_replay_request(&[Bytes::new(), seq.clone()]), Some(7));
-        assert_eq!(parse_replay_request(std::slice::from_ref(&seq)), Some(7));
-        assert_eq!(
-            parse_replay_request(&[Bytes::new(), Bytes::from_static(b"123")]),
-            None
-        );
-        assert_eq!(parse_replay_request(&[Bytes::from_static(b"x"), seq]), None);
+        let id = Bytes::from_static(b"peer");
+        let hop = Bytes::from_static(b"hop");
+        let e = Bytes::new();
+        let req = [id.clone(), e.clone(), seq.clone()];
+        assert_eq!(parse_replay_request(&req), Some((&req[..1], 7)));
+        let via_proxy = [hop.clone(), id.clone(), e.clone(), seq.clone()];
+        assert_eq!(parse_replay_request(&via_proxy), Some((&via_proxy[..2], 7)));
+        let bare = [id.clone(), seq.clone()];
+        assert_eq!(parse_replay_request(&bare), Some((&bare[..1], 7)));
+        let short = Bytes::from_static(b"123");
+        assert_eq!(parse_replay_request(&[id.clone(), e.clone(), short]), None);
+        assert_eq!(parse_replay_request(&[e.clone(), seq.clone()]), None);
+        assert_eq!(parse_replay_request(&[hop, id, seq.clone()]), None);
+        assert_eq!(parse_replay_request(&[seq]), None);
         assert_eq!(parse_replay_request(&[]), None);
     }
 }

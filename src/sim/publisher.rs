@@ -151,20 +151,18 @@ async fn serve_replay(mut router: RouterSocket, buffer: Arc<Mutex<ReplayBuffer>>
             }
         };
         let parts = msg.into_vec();
-        let Some((identity, request)) = parts.split_first() else {
-            continue;
-        };
-        let Some(start) = parse_replay_request(request) else {
+        let Some((envelope, start)) = parse_replay_request(&parts) else {
             tracing::warn!(
-                frames = request.len(),
+                frames = parts.len(),
                 "ignoring malformed replay request (want [b\"\", start_seq as 8-byte big-endian])"
             );
             continue;
         };
         let answer = buffer.lock().answer(start);
         for [empty, seq, payload] in answer {
-            let Ok(reply) = ZmqMessage::try_from(vec![identity.clone(), empty, seq, payload])
-            else {
+            let mut reply = envelope.to_vec();
+            reply.extend([empty, seq, payload]);
+            let Ok(reply) = ZmqMessage::try_from(reply) else {
                 continue;
             };
             if let Err(e) = router.send(reply).await {

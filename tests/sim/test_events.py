@@ -631,6 +631,36 @@ def test_ttft_follows_the_latency_model(start):
     assert warm < cold / 2, (cold, warm)
 
 
+def test_prefills_queue_fifo_and_running_is_limited(start):
+    import threading
+
+    # Each prefill takes 40 x 2.5 ms = 100 ms; decoding holds the single running slot 150 ms more.
+    w = start("--prefill-us-per-token", "2500", "--decode-us-per-token", "50000",
+              "--max-num-seqs", "1", subscribe=False)
+    done: dict[int, float] = {}
+    t0 = time.monotonic()
+
+    def run(i: int) -> None:
+        w.complete([i] * 40, max_tokens=4)
+        done[i] = time.monotonic() - t0
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+        time.sleep(0.02)  # arrival order 0, 1, 2
+    time.sleep(0.1)
+    m = w.metrics()
+    labels = '{model_name="sim",engine="0"}'
+    assert m[f"vllm:num_requests_running{labels}"] == 1
+    assert m[f"vllm:num_requests_waiting{labels}"] == 2
+    assert m[f"vllm:kv_cache_usage_perc{labels}"] == 10 / 64
+    for t in threads:
+        t.join(30)
+    # One at a time, in arrival order: each takes at least 100 ms prefill + 150 ms decode.
+    assert sorted(done, key=done.get) == [0, 1, 2]
+    assert done[2] >= 3 * 0.25, done
+
+
 def test_block_size_and_adapters_from_the_config_file(start, tmp_path):
     cfg = tmp_path / "kv-epp.yaml"
     cfg.write_text("models:\n  - {name: cfg-model, block_size: 8, lora_adapters: [cfg-ad]}\n")

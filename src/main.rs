@@ -22,6 +22,8 @@ enum Command {
     Hash(cli::hash::HashArgs),
     /// Route a multi-tenant workload with kv-epp and with round-robin and compare.
     Demo(cli::demo::DemoArgs),
+    /// Run a simulated vLLM worker: OpenAI HTTP API, prefix cache, KV events over ZeroMQ.
+    SimWorker(cli::sim_worker::SimWorkerArgs),
 }
 
 fn main() -> ExitCode {
@@ -32,6 +34,7 @@ fn main() -> ExitCode {
             println!("{out}");
         }),
         Command::Demo(args) => cli::demo::run(&args).map(|out| print!("{out}")),
+        Command::SimWorker(args) => cli::sim_worker::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

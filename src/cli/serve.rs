@@ -101,7 +101,8 @@ pub fn run(args: &ServeArgs) -> Result<(), String> {
     })
 }
 
-fn init_logs(format: &str) -> Result<(), String> {
+/// Installs the log subscriber (`KV_EPP_LOG` filter, `text` or `json`).
+pub fn init_logs(format: &str) -> Result<(), String> {
     let filter = tracing_subscriber::EnvFilter::try_from_env("KV_EPP_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt().with_env_filter(filter);
@@ -113,7 +114,8 @@ fn init_logs(format: &str) -> Result<(), String> {
     Ok(())
 }
 
-async fn shutdown_signal() {
+/// Resolves on SIGTERM or Ctrl-C.
+pub async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };

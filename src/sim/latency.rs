@@ -1,6 +1,13 @@
 //! The simulated engine's latency model: time to first token grows with the prompt tokens that
 //! must be prefilled and with the prefill work queued ahead; then each output token costs a fixed
 //! decode time.
+//!
+//! The model prices one request; queueing is the scheduler's: the in-process fleet
+//! (`fleet.rs`) adds it in simulated time, `sim-worker` (`engine.rs`) in real time by running one
+//! prefill at a time (FIFO) behind a `--max-num-seqs` limit, so a request's TTFT is its wait plus
+//! [`LatencyModel::prefill`], and each further token takes [`LatencyModel::decode_step`].
+
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -32,6 +39,16 @@ impl LatencyModel {
         self.base_us + (self.prefill_us_per_token * uncached as f64) as u64
     }
 
+    /// [`LatencyModel::prefill_us`] as a duration, for real-time sleeps.
+    pub fn prefill(&self, uncached: usize) -> Duration {
+        Duration::from_micros(self.prefill_us(uncached))
+    }
+
+    /// The time of one generated token after the first.
+    pub fn decode_step(&self) -> Duration {
+        Duration::from_micros(self.decode_us_per_token)
+    }
+
     /// Decode time of `output` tokens after the first.
     pub fn decode_us(&self, output: u32) -> u64 {
         self.decode_us_per_token * u64::from(output.saturating_sub(1))
@@ -48,5 +65,7 @@ mod tests {
         assert!(m.prefill_us(100) < m.prefill_us(1000));
         assert_eq!(m.prefill_us(0), m.base_us);
         assert_eq!(m.decode_us(1), 0);
+        assert_eq!(m.prefill(10), Duration::from_micros(m.prefill_us(10)));
+        assert_eq!(m.decode_step() * 3, Duration::from_micros(m.decode_us(4)));
     }
 }

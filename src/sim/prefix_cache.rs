@@ -251,10 +251,10 @@ impl PrefixCache {
     /// Drops every cached block (a prefix-cache reset) and emits `Cleared`.
     pub fn clear(&mut self) {
         self.by_digest.clear();
+        // Referenced blocks lose their digest too: once `Cleared` is published, evicting them
+        // later must not announce a removal of a hash consumers already forgot.
         for b in &mut self.blocks {
-            if b.refs == 0 {
-                b.digest = None;
-            }
+            b.digest = None;
         }
         self.lru.clear();
         self.fresh = (0..self.blocks.len() as u32)

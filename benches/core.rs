@@ -55,6 +55,8 @@ unsafe impl GlobalAlloc for Counting {
 static ALLOC: Counting = Counting;
 
 const BLOCK: usize = 16;
+/// Queries timed per measurement.
+static QUERY_ROUNDS: AtomicUsize = AtomicUsize::new(20_000);
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -66,6 +68,15 @@ fn main() {
     println!(
         "kv-epp core benchmarks (block size {BLOCK}; one process, same run for every ratio)\n"
     );
+    // `cargo test --all-targets` runs this binary without `--bench`: a quick smoke run then, so
+    // the code stays exercised without spending minutes of an unoptimized build.
+    if !args.iter().any(|a| a == "--bench") {
+        QUERY_ROUNDS.store(100, Ordering::Relaxed);
+        let pop = Population::generated(4, 20_000, true);
+        bench_index(&pop, 4, true);
+        println!("(smoke run; `make bench` runs the full benchmarks)");
+        return;
+    }
     let only_query = args.iter().any(|a| a == "--quick-query");
     if !only_query {
         bench_hashing();
@@ -332,7 +343,7 @@ fn bench_index(pop: &Population, workers: usize, salted: bool) {
         })
         .sum::<usize>()
         / queries.len().max(1);
-    let lat = measure_queries(&index, &queries, 20_000);
+    let lat = measure_queries(&index, &queries, QUERY_ROUNDS.load(Ordering::Relaxed));
     println!(
         "  query 512-block prompt     p50 {:>6.2} µs   p99 {:>6.2} µs   (best worker holds {depth} blocks)",
         percentile(&lat, 0.50) as f64 / 1000.0,
@@ -343,7 +354,7 @@ fn bench_index(pop: &Population, workers: usize, salted: bool) {
         let t: Vec<u32> = (0..8192).map(|_| rng.random_range(0..128_000)).collect();
         vec![prompt_hashes(&t, BLOCK, HashSeed::UNSALTED).1]
     };
-    let lat = measure_queries(&index, &miss, 20_000);
+    let lat = measure_queries(&index, &miss, QUERY_ROUNDS.load(Ordering::Relaxed));
     println!(
         "  query 512-block miss       p50 {:>6.2} µs   p99 {:>6.2} µs",
         percentile(&lat, 0.50) as f64 / 1000.0,
@@ -384,7 +395,7 @@ fn bench_index(pop: &Population, workers: usize, salted: bool) {
         })
     };
     let t = Instant::now();
-    let lat = measure_queries(&index, &queries, 20_000);
+    let lat = measure_queries(&index, &queries, QUERY_ROUNDS.load(Ordering::Relaxed));
     let elapsed = t.elapsed();
     stop.store(true, Ordering::Relaxed);
     writer.join().expect("writer");

@@ -226,7 +226,7 @@ fn fwd(salt: &str) -> String {
 
 async fn wait_subscribed(server: &Server) {
     assert!(
-        eventually(10, || server.feeds.statuses().iter().all(|(_, _, st)| st
+        eventually(15, || server.feeds.statuses().iter().all(|(_, _, st)| st
             .connected
             .load(std::sync::atomic::Ordering::Relaxed)))
         .await
@@ -256,7 +256,7 @@ async fn end_to_end(map_layout: bool, bytes_hashes: bool) {
             false,
         )
         .await;
-    let ok = eventually(5, || {
+    let ok = eventually(15, || {
         server
             .router
             .index("m")
@@ -304,7 +304,7 @@ async fn end_to_end(map_layout: bool, bytes_hashes: bool) {
         .publish(vec![engine.stored(&[31], None, &[9, 9, 9, 9], None)], false)
         .await;
     assert!(
-        eventually(5, || server
+        eventually(15, || server
             .router
             .index("m")
             .unwrap()
@@ -357,7 +357,7 @@ async fn without_replay_a_gap_drops_state_and_fresh_events_recover() {
         )
         .await;
     assert!(
-        eventually(5, || server
+        eventually(15, || server
             .router
             .index("m")
             .unwrap()
@@ -372,7 +372,7 @@ async fn without_replay_a_gap_drops_state_and_fresh_events_recover() {
         .await;
     use std::sync::atomic::Ordering::Relaxed;
     assert!(
-        eventually(5, || server.feeds.statuses()[0].2.unfillable.load(Relaxed)
+        eventually(15, || server.feeds.statuses()[0].2.unfillable.load(Relaxed)
             == 1)
         .await
     );
@@ -404,7 +404,7 @@ async fn malformed_frames_leave_the_subscriber_running_and_the_index_unchanged()
         .publish(vec![engine.stored(&[1], None, &[1, 2, 3, 4], None)], false)
         .await;
     assert!(
-        eventually(5, || server
+        eventually(15, || server
             .router
             .index("m")
             .unwrap()
@@ -522,7 +522,7 @@ async fn malformed_frames_leave_the_subscriber_running_and_the_index_unchanged()
         .publish(vec![engine.stored(&[50], None, &[5, 6, 7, 8], None)], false)
         .await;
     assert!(
-        eventually(10, || server
+        eventually(15, || server
             .router
             .index("m")
             .unwrap()

@@ -283,7 +283,15 @@ fn digest_is_order_independent_and_sensitive() {
                     store(&idx, w(2), None, s, &[7], &t[..4], Medium::Offload);
                 }
                 _ => {
-                    store(&idx, w(2), None, HashSeed::UNSALTED, &[8], &t[4..8], Medium::Device);
+                    store(
+                        &idx,
+                        w(2),
+                        None,
+                        HashSeed::UNSALTED,
+                        &[8],
+                        &t[4..8],
+                        Medium::Device,
+                    );
                 }
             }
         }
@@ -293,7 +301,8 @@ fn digest_is_order_independent_and_sensitive() {
     let b = build(&[2, 0, 1]);
     assert_eq!(a.digest(), b.digest());
     assert_eq!(a.digest().1, 4);
-    a.remove(&w(1), &[EngineBlockHash(2)], Medium::Device).unwrap();
+    a.remove(&w(1), &[EngineBlockHash(2)], Medium::Device)
+        .unwrap();
     assert_ne!(a.digest(), b.digest());
 }
 

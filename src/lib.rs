@@ -8,5 +8,6 @@ pub mod index;
 pub mod salt;
 pub mod scoring;
 pub mod sim;
+pub mod tokenize;
 pub mod worker;
 pub mod workload;

@@ -1,0 +1,336 @@
+//! One model's tokenizer: `tokenizer.json` + `tokenizer_config.json` (+ an optional chat template
+//! override), loaded once at start, then used read-only by every request.
+//!
+//! Encoding is the `tokenizers` crate's pipeline, the same code transformers' fast tokenizers
+//! run: added tokens split out first, then normalizer, pre-tokenizer, BPE, and the
+//! post-processor only when `add_special_tokens` is set. Truncation and padding configured in
+//! `tokenizer.json` are switched off: the engine sees the whole prompt, so must we.
+//! A `tokenizer_config.json` flag such as `add_bos_token` is NOT applied on top of the
+//! post-processor (transformers 5 builds the post-processor into `tokenizer.json`).
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use indexmap::IndexMap;
+use minijinja::Value;
+use serde_json::Value as JsonValue;
+use tokenizers::Tokenizer;
+
+use super::error::{LoadError, TokenizeError};
+use super::json::Json;
+use super::request::{ChatPrompt, Prompt};
+use super::template::{CONTINUE_TAG, ChatTemplate, RenderError, cut_at_continue_tag};
+
+/// The special-token attributes transformers 5 passes to every template render, in order.
+const SPECIAL_TOKEN_ATTRIBUTES: [&str; 7] = [
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+];
+
+/// Where a model's tokenizer files are.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizerFiles {
+    /// `tokenizer.json` (Hugging Face fast-tokenizer format).
+    pub tokenizer_json: PathBuf,
+    /// `tokenizer_config.json`: special tokens and, usually, the chat template.
+    #[serde(default)]
+    pub tokenizer_config: Option<PathBuf>,
+    /// A chat template file that replaces the config's (like vLLM's `--chat-template`).
+    #[serde(default)]
+    pub chat_template: Option<PathBuf>,
+}
+
+impl TokenizerFiles {
+    /// The files of a Hugging Face model directory: `tokenizer.json`, `tokenizer_config.json`
+    /// when present, and `chat_template.jinja` when present (transformers prefers it to the
+    /// config's `chat_template`).
+    pub fn in_dir(dir: impl AsRef<Path>) -> TokenizerFiles {
+        let dir = dir.as_ref();
+        let config = dir.join("tokenizer_config.json");
+        let template = dir.join("chat_template.jinja");
+        TokenizerFiles {
+            tokenizer_json: dir.join("tokenizer.json"),
+            tokenizer_config: config.is_file().then_some(config),
+            chat_template: template.is_file().then_some(template),
+        }
+    }
+}
+
+/// A loaded tokenizer and chat template. Immutable after [`ModelTokenizer::load`] (plus
+/// [`ModelTokenizer::set_template_var`] at start); share it behind an `Arc`.
+pub struct ModelTokenizer {
+    tokenizer: Tokenizer,
+    template: Option<ChatTemplate>,
+    /// Special tokens, then server-side variables: every render sees these.
+    globals: Vec<(String, String)>,
+    vocab_size: usize,
+}
+
+impl std::fmt::Debug for ModelTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelTokenizer")
+            .field("vocab_size", &self.vocab_size)
+            .field("has_chat_template", &self.template.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+fn read(path: &Path) -> Result<String, LoadError> {
+    fs::read_to_string(path).map_err(|source| LoadError::Read {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// A special token in `tokenizer_config.json`: a string or an `AddedToken` object.
+fn token_text(value: &JsonValue) -> Option<&str> {
+    match value {
+        JsonValue::String(s) => Some(s),
+        JsonValue::Object(o) => o.get("content").and_then(JsonValue::as_str),
+        _ => None,
+    }
+}
+
+/// The config's `chat_template`: a string, or a list of `{name, template}` (the `default` one).
+fn config_template(config: &JsonValue, path: &Path) -> Result<Option<String>, LoadError> {
+    let field_err = |reason: &str| LoadError::Field {
+        path: path.to_owned(),
+        field: "chat_template",
+        reason: reason.to_owned(),
+    };
+    match config.get("chat_template") {
+        None | Some(JsonValue::Null) => Ok(None),
+        Some(JsonValue::String(s)) => Ok(Some(s.clone())),
+        Some(JsonValue::Array(named)) => {
+            let default = named
+                .iter()
+                .find(|t| t.get("name").and_then(JsonValue::as_str) == Some("default"));
+            match default
+                .and_then(|t| t.get("template"))
+                .and_then(JsonValue::as_str)
+            {
+                Some(s) => Ok(Some(s.to_owned())),
+                None => Err(field_err(
+                    "a list of named templates without a `default` one",
+                )),
+            }
+        }
+        Some(_) => Err(field_err("expected a string or a list of named templates")),
+    }
+}
+
+impl ModelTokenizer {
+    /// Loads and checks the files; compiles the chat template. Run once at start.
+    ///
+    /// Errors name the file (and field) at fault: unreadable file, invalid JSON, a
+    /// `tokenizer.json` the `tokenizers` crate rejects, a special token of the wrong type, a chat
+    /// template that does not compile.
+    pub fn load(files: &TokenizerFiles) -> Result<ModelTokenizer, LoadError> {
+        let path = &files.tokenizer_json;
+        let mut tokenizer: Tokenizer =
+            read(path)?
+                .parse()
+                .map_err(
+                    |e: Box<dyn std::error::Error + Send + Sync>| LoadError::Tokenizer {
+                        path: path.clone(),
+                        reason: e.to_string(),
+                    },
+                )?;
+        tokenizer
+            .with_truncation(None)
+            .map_err(|e| LoadError::Tokenizer {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?;
+        tokenizer.with_padding(None);
+        let vocab_size = tokenizer.get_vocab_size(true);
+
+        let mut globals = Vec::new();
+        let mut template = None;
+        let mut template_path = None;
+        if let Some(config_path) = &files.tokenizer_config {
+            let config: JsonValue =
+                serde_json::from_str(&read(config_path)?).map_err(|source| LoadError::Json {
+                    path: config_path.clone(),
+                    source,
+                })?;
+            for attr in SPECIAL_TOKEN_ATTRIBUTES {
+                match config.get(attr) {
+                    None | Some(JsonValue::Null) => {}
+                    Some(v) => {
+                        let text = token_text(v).ok_or_else(|| LoadError::Field {
+                            path: config_path.clone(),
+                            field: attr,
+                            reason: "expected a string or an AddedToken object".to_owned(),
+                        })?;
+                        globals.push((attr.to_owned(), text.to_owned()));
+                    }
+                }
+            }
+            template = config_template(&config, config_path)?;
+            template_path = Some(config_path.clone());
+        }
+        if let Some(override_path) = &files.chat_template {
+            template = Some(read(override_path)?);
+            template_path = Some(override_path.clone());
+        }
+        let template = match (template, template_path) {
+            (Some(source), Some(path)) => {
+                Some(
+                    ChatTemplate::compile(source).map_err(|e| LoadError::Template {
+                        path,
+                        reason: e.to_string(),
+                    })?,
+                )
+            }
+            _ => None,
+        };
+        Ok(ModelTokenizer {
+            tokenizer,
+            template,
+            globals,
+            vocab_size,
+        })
+    }
+
+    /// Defines a server-side template variable (e.g. `date_string`) for every render; a
+    /// request's `chat_template_kwargs` still override it. Call at start, before sharing.
+    pub fn set_template_var(&mut self, name: impl Into<String>, value: impl Into<String>) {
+        let name = name.into();
+        let value = value.into();
+        match self.globals.iter_mut().find(|(k, _)| *k == name) {
+            Some(slot) => slot.1 = value,
+            None => self.globals.push((name, value)),
+        }
+    }
+
+    /// The variables every render sees besides the request's: the special tokens of the config
+    /// (`bos_token`, `eos_token`, ... as strings), then those set by
+    /// [`ModelTokenizer::set_template_var`].
+    pub fn template_globals(&self) -> &[(String, String)] {
+        &self.globals
+    }
+
+    /// Vocabulary size including added tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// Whether chat requests can be rendered.
+    pub fn has_chat_template(&self) -> bool {
+        self.template.is_some()
+    }
+
+    /// Token ids of a prompt, exactly as the engine computes them.
+    pub fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>, TokenizeError> {
+        match prompt {
+            Prompt::Chat(chat) => {
+                let text = self.render_chat(chat)?;
+                self.encode(&text, chat.add_special_tokens)
+            }
+            Prompt::Text {
+                text,
+                add_special_tokens,
+            } => self.encode(text, *add_special_tokens),
+            Prompt::TokenIds(ids) => {
+                if let Some(&id) = ids.iter().find(|&&id| id as usize >= self.vocab_size) {
+                    return Err(TokenizeError::TokenOutOfVocabulary {
+                        id,
+                        vocab_size: self.vocab_size,
+                    });
+                }
+                Ok(ids.clone())
+            }
+        }
+    }
+
+    /// Encodes text. Special tokens written in the text (e.g. `<|im_start|>` typed by a user)
+    /// become their ids, as in transformers; `add_special_tokens` runs the post-processor.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
+        let encoding = self
+            .tokenizer
+            .encode_fast(text, add_special_tokens)
+            .map_err(|e| TokenizeError::Encode(e.to_string()))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Renders a conversation with the chat template, as transformers' `apply_chat_template`
+    /// (with `tokenize=False`) would for vLLM.
+    ///
+    /// Template variables, later ones overriding earlier ones: `messages`, `tools` (always
+    /// defined, `none` when absent), `documents` (`none`), `add_generation_prompt`, the special
+    /// tokens and server-side variables ([`ModelTokenizer::template_globals`]), then every
+    /// `chat_template_kwargs` entry except `messages`.
+    pub fn render_chat(&self, chat: &ChatPrompt) -> Result<String, TokenizeError> {
+        let template = self
+            .template
+            .as_ref()
+            .ok_or(TokenizeError::NoChatTemplate)?;
+        let Some(last) = chat.messages.last() else {
+            return Err(TokenizeError::EmptyMessages);
+        };
+        let suffix = if chat.continue_final_message {
+            if chat.add_generation_prompt {
+                return Err(TokenizeError::IncompatibleOptions(
+                    "continue_final_message and add_generation_prompt cannot both be set",
+                ));
+            }
+            if !template.mentions_content() {
+                return Err(TokenizeError::ContinueFinalMessage(
+                    "the chat template never reads `content`",
+                ));
+            }
+            CONTINUE_TAG
+        } else {
+            ""
+        };
+        let count = chat.messages.len();
+        let messages: Vec<Value> = chat
+            .messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| m.to_value(if i + 1 == count { suffix } else { "" }))
+            .collect();
+
+        let mut vars: IndexMap<Value, Value> =
+            IndexMap::with_capacity(4 + self.globals.len() + chat.template_kwargs.len());
+        vars.insert(Value::from("messages"), Value::from(messages));
+        vars.insert(
+            Value::from("tools"),
+            chat.tools.clone().map_or(Value::from(()), Json::into_value),
+        );
+        vars.insert(Value::from("documents"), Value::from(()));
+        vars.insert(
+            Value::from("add_generation_prompt"),
+            Value::from(chat.add_generation_prompt),
+        );
+        for (name, value) in &self.globals {
+            vars.insert(Value::from(name.as_str()), Value::from(value.as_str()));
+        }
+        for (name, value) in &chat.template_kwargs {
+            if name != "messages" {
+                vars.insert(Value::from(name.as_str()), value.clone().into_value());
+            }
+        }
+
+        let rendered = template.render(Value::from(vars)).map_err(|e| match e {
+            RenderError::Raised(m) => TokenizeError::TemplateRejected(m),
+            RenderError::Failed(m) => TokenizeError::TemplateFailed(m),
+        })?;
+        if chat.continue_final_message {
+            cut_at_continue_tag(&rendered, &last.content).ok_or(
+                TokenizeError::ContinueFinalMessage(
+                    "the final message does not appear in the rendered prompt",
+                ),
+            )
+        } else {
+            Ok(rendered)
+        }
+    }
+}

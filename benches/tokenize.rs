@@ -1,16 +1,21 @@
 //! `cargo bench --bench tokenize`: request → token ids, for 1k / 8k / 32k-token chat prompts.
 //!
 //! For each tokenizer (the committed small BPE; the real 128k-vocab deepseek one when the venv
-//! has it, see `tests/tokenize_fixtures.rs`) and prompt size it prints p50/p99 of the whole
-//! `ModelCatalog::tokenize` call on a request body, tokens/s at p50, and the split between
-//! parse + template rendering and encoding, measured separately in the same run.
+//! has it, see `tests/tokenize_fixtures.rs`) and prompt size it prints, for the whole
+//! `ModelCatalog::tokenize` call on a request body:
+//! - cold (segment cache cleared): p50/p99, tokens/s at p50, and the split between parse +
+//!   template rendering and encoding, measured separately in the same run;
+//! - repeat: the same body again, every segment cached;
+//! - next turn: the same history with a new last user message (~1/8 of the prompt), the usual
+//!   shape of chat traffic; `cold/nt` is the speed-up the segment cache gives it.
 //!
 //! Under `cargo test --all-targets` (no `--bench` argument) it runs as a smoke test: one 1k-token
 //! prompt per tokenizer, a few iterations.
 //!
 //! Prompts are multi-turn conversations cut from the long fixture document
 //! (`deepseek/chatml/long-40k` in `tests/fixtures/tokenizer/cases.json`), rendered with the
-//! ChatML fixture template.
+//! ChatML fixture template (small-bpe) or `benches/templates/deepseek-style.jinja` (deepseek,
+//! whose vocabulary marks turns with its own `<｜User｜>` / `<｜Assistant｜>` tokens).
 
 use std::hint::black_box;
 use std::path::PathBuf;
@@ -59,15 +64,31 @@ fn deepseek_dir() -> Option<PathBuf> {
         .find(|d| d.join("tokenizer.json").is_file())
 }
 
-/// A chat body of about `target` tokens: a system prompt, then 8 user/assistant turns, the
-/// conversation text cut from the corpus at char boundaries.
-fn chat_body(model: &ModelTokenizer, corpus: &str, target: usize) -> (Vec<u8>, usize) {
+/// The request body of a conversation.
+fn body_of(messages: &[Value]) -> Vec<u8> {
+    serde_json::to_vec(&json!({"model": MODEL, "messages": messages})).unwrap()
+}
+
+/// The same conversation with a new last user message (`tag` prepended): every earlier
+/// segment was seen before, the last one is new, like the next turn of a chat.
+fn next_turn(messages: &[Value], tag: usize) -> Vec<u8> {
+    let mut messages = messages.to_vec();
+    if let Some(last) = messages.iter_mut().rev().find(|m| m["role"] == "user") {
+        let text = format!("Turn {tag}: {}", last["content"].as_str().unwrap_or(""));
+        last["content"] = Value::from(text);
+    }
+    body_of(&messages)
+}
+
+/// A conversation of about `target` tokens: a system prompt, then 9 user/assistant turns ending
+/// with a user turn, the text cut from the corpus at char boundaries.
+fn chat_messages(model: &ModelTokenizer, corpus: &str, target: usize) -> (Vec<Value>, usize) {
     let chars: Vec<char> = corpus.chars().collect();
     // Grow the slice until the rendered prompt reaches the target.
     let mut len = target * 3;
     loop {
         let text: String = chars[..len.min(chars.len())].iter().collect();
-        let turns = 8;
+        let turns = 9; // system + user/assistant turns ending with a user turn
         let per = text.chars().count() / turns;
         let text_chars: Vec<char> = text.chars().collect();
         let mut messages =
@@ -89,7 +110,7 @@ fn chat_body(model: &ModelTokenizer, corpus: &str, target: usize) -> (Vec<u8>, u
             .unwrap()
             .len();
         if n >= target || len >= chars.len() {
-            return (body, n);
+            return (messages, n);
         }
         len = len * target / n.max(1) + 64;
     }
@@ -118,6 +139,8 @@ fn ms(d: Duration) -> f64 {
 struct Plan {
     sizes: &'static [usize],
     budget: Duration,
+    /// Distinct next-turn bodies per size.
+    turns: usize,
 }
 
 fn bench_tokenizer(name: &str, files: TokenizerFiles, corpus: &str, plan: &Plan) {
@@ -131,13 +154,24 @@ fn bench_tokenizer(name: &str, files: TokenizerFiles, corpus: &str, plan: &Plan)
     let mut catalog = ModelCatalog::new();
     catalog.insert_model(MODEL, model.clone()).unwrap();
     println!(
-        "  {:>6}  {:>9} {:>9}  {:>11}  {:>16}  {:>9}",
-        "tokens", "p50 ms", "p99 ms", "Mtok/s p50", "parse+render ms", "encode ms"
+        "  {:>6} | {:>9} {:>9} {:>8} | {:>12} {:>9} | {:>10} {:>14} {:>7}",
+        "tokens",
+        "cold p50",
+        "p99 ms",
+        "Mtok/s",
+        "parse+render",
+        "encode",
+        "repeat p50",
+        "next-turn p50",
+        "cold/nt"
     );
     for &target in plan.sizes {
-        let (body, n) = chat_body(&model, corpus, target);
+        let (messages, n) = chat_messages(&model, corpus, target);
+        let body = body_of(&messages);
         let budget = plan.budget;
+        // Cold: nothing cached, the whole prompt is encoded.
         let (p50, p99) = measure(budget, || {
+            model.clear_segment_cache();
             black_box(
                 catalog
                     .tokenize(Endpoint::ChatCompletions, black_box(&body))
@@ -159,18 +193,45 @@ fn bench_tokenizer(name: &str, files: TokenizerFiles, corpus: &str, plan: &Plan)
         };
         let text = model.render_chat(&chat).unwrap();
         let (encode, _) = measure(budget, || {
+            model.clear_segment_cache();
             black_box(model.encode(black_box(&text), false).unwrap());
         });
+        // Repeat: the same request again (retries, shared prompts): every segment cached.
+        let (repeat, _) = measure(budget, || {
+            black_box(
+                catalog
+                    .tokenize(Endpoint::ChatCompletions, black_box(&body))
+                    .unwrap(),
+            );
+        });
+        // Next turn: history cached, the last user message new each time.
+        let bodies: Vec<Vec<u8>> = (0..plan.turns).map(|t| next_turn(&messages, t)).collect();
+        let mut times: Vec<Duration> = bodies
+            .iter()
+            .map(|body| {
+                let t = Instant::now();
+                black_box(
+                    catalog
+                        .tokenize(Endpoint::ChatCompletions, black_box(body))
+                        .unwrap(),
+                );
+                t.elapsed()
+            })
+            .collect();
+        times.sort();
+        let next = times[times.len() / 2];
         let parts = ms(render) + ms(encode);
         println!(
-            "  {n:>6}  {:>9.3} {:>9.3}  {:>11.2}  {:>8.3} ({:>4.1}%)  {:>9.3} ({:>4.1}%)",
+            "  {n:>6} | {:>9.3} {:>9.3} {:>8.2} | {:>6.3} {:>4.1}% {:>9.3} | {:>10.3} {:>14.3} {:>6.1}x",
             ms(p50),
             ms(p99),
             n as f64 / p50.as_secs_f64() / 1e6,
             ms(render),
             100.0 * ms(render) / parts,
             ms(encode),
-            100.0 * ms(encode) / parts,
+            ms(repeat),
+            ms(next),
+            p50.as_secs_f64() / next.as_secs_f64(),
         );
     }
 }
@@ -180,11 +241,13 @@ fn main() {
         Plan {
             sizes: &[1024, 8192, 32768],
             budget: Duration::from_millis(1500),
+            turns: 60,
         }
     } else {
         Plan {
             sizes: &[1024],
             budget: Duration::ZERO,
+            turns: 3,
         }
     };
     let corpus = corpus();
@@ -198,9 +261,9 @@ fn main() {
     match deepseek_dir() {
         Some(dir) => {
             let mut files = TokenizerFiles::in_dir(dir);
-            files.chat_template = Some(fixtures.join("templates/chatml.jinja"));
+            files.chat_template = Some(root().join("benches/templates/deepseek-style.jinja"));
             bench_tokenizer(
-                "deepseek (128k vocab, chatml override)",
+                "deepseek (128k vocab, DeepSeek-style template)",
                 files,
                 &corpus,
                 &plan,

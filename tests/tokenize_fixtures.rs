@@ -301,3 +301,56 @@ fn lora_adapter_routes_on_base_tokenizer() {
             .is_err()
     );
 }
+
+#[test]
+fn segment_cache_is_exact_on_a_deepseek_style_conversation() {
+    let Some(dir) = deepseek_dir() else {
+        if std::env::var("CI").as_deref() == Ok("true") {
+            panic!("the deepseek tokenizer is not installed");
+        }
+        eprintln!("\n!!!!!!!!!! SKIPPING deepseek segment-cache test: tokenizer not installed\n");
+        return;
+    };
+    let mut files = TokenizerFiles::in_dir(dir);
+    files.chat_template = Some(root().join("benches/templates/deepseek-style.jinja"));
+    let cached = ModelTokenizer::load(&files).unwrap();
+    let mut uncached = ModelTokenizer::load(&files).unwrap();
+    uncached.set_segment_cache_capacity(0);
+    let (doc, _) = load_cases();
+    let text = doc["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "deepseek/tools-thinking/special-lookalikes")
+        .unwrap()["expected_prompt"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let turn = |n: usize| -> String {
+        let mut messages = vec![serde_json::json!({"role": "system", "content": "Be brief."})];
+        for i in 0..n {
+            let role = if i % 2 == 0 { "user" } else { "assistant" };
+            let keep = text.chars().count() / (i + 2);
+            let piece: String = text.chars().take(keep).collect();
+            let content = format!("{i} {piece} <｜User｜>{i}");
+            messages.push(serde_json::json!({"role": role, "content": content}));
+        }
+        serde_json::json!({"model": "m", "messages": messages}).to_string()
+    };
+    for n in [1, 3, 5, 3, 7, 5] {
+        let body = turn(n);
+        let Prompt::Chat(chat) = parse_request(Endpoint::ChatCompletions, body.as_bytes())
+            .unwrap()
+            .prompt
+        else {
+            unreachable!()
+        };
+        let prompt = cached.render_chat(&chat).unwrap();
+        assert!(prompt.matches("<｜User｜>").count() >= n);
+        assert_eq!(
+            cached.encode(&prompt, false).unwrap(),
+            uncached.encode(&prompt, false).unwrap(),
+            "turns: {n}"
+        );
+    }
+}

@@ -16,6 +16,7 @@
 //! - [`model`]: loading `tokenizer.json` / `tokenizer_config.json` once; encoding; rendering.
 //! - `template`, `pystr`, `pyjson`, `strftime`: Jinja2-under-Python semantics on minijinja.
 //! - [`json`]: an order-preserving JSON tree for tools and tool calls.
+//! - `segments`: exact reuse of token ids of prompt segments seen before (cut at special tokens).
 //!
 //! Invariant: nothing here depends on a clock except `strftime_now`, and nothing does I/O after
 //! [`ModelTokenizer::load`].
@@ -28,6 +29,7 @@ pub mod model;
 pub mod pyjson;
 pub mod pystr;
 pub mod request;
+mod segments;
 mod strftime;
 mod template;
 

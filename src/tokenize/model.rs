@@ -19,7 +19,11 @@ use tokenizers::Tokenizer;
 use super::error::{LoadError, TokenizeError};
 use super::json::Json;
 use super::request::{ChatPrompt, Prompt};
+use super::segments::SegmentCache;
 use super::template::{CONTINUE_TAG, ChatTemplate, RenderError, cut_at_continue_tag};
+
+/// Default budget of the segment cache, in tokens (about 16 MiB of ids).
+pub const DEFAULT_SEGMENT_CACHE_TOKENS: usize = 4 << 20;
 
 /// The special-token attributes transformers 5 passes to every template render, in order.
 const SPECIAL_TOKEN_ATTRIBUTES: [&str; 7] = [
@@ -70,6 +74,7 @@ pub struct ModelTokenizer {
     /// Special tokens, then server-side variables: every render sees these.
     globals: Vec<(String, String)>,
     vocab_size: usize,
+    segments: SegmentCache,
 }
 
 impl std::fmt::Debug for ModelTokenizer {
@@ -191,12 +196,25 @@ impl ModelTokenizer {
             }
             _ => None,
         };
+        let segments = SegmentCache::new(&tokenizer, DEFAULT_SEGMENT_CACHE_TOKENS);
         Ok(ModelTokenizer {
             tokenizer,
             template,
             globals,
             vocab_size,
+            segments,
         })
+    }
+
+    /// Sets the segment cache budget in tokens (0 turns the cache off). Call at start, before
+    /// sharing; drops what was cached.
+    pub fn set_segment_cache_capacity(&mut self, tokens: usize) {
+        self.segments = SegmentCache::new(&self.tokenizer, tokens);
+    }
+
+    /// Forgets every cached segment (benchmarks and tests use it to measure cold requests).
+    pub fn clear_segment_cache(&self) {
+        self.segments.clear();
     }
 
     /// Defines a server-side template variable (e.g. `date_string`) for every render; a
@@ -252,7 +270,23 @@ impl ModelTokenizer {
 
     /// Encodes text. Special tokens written in the text (e.g. `<|im_start|>` typed by a user)
     /// become their ids, as in transformers; `add_special_tokens` runs the post-processor.
+    ///
+    /// Without the post-processor, segments of the text seen before (between special tokens,
+    /// see `segments.rs`) are taken from the cache, so a conversation's next turn only encodes
+    /// what is new.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
+        if add_special_tokens {
+            return self.encode_uncached(text, true);
+        }
+        self.segments
+            .encode(text, |segment| self.encode_uncached(segment, false))
+    }
+
+    fn encode_uncached(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, TokenizeError> {
         let encoding = self
             .tokenizer
             .encode_fast(text, add_special_tokens)

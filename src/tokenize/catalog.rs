@@ -166,3 +166,33 @@ impl ModelCatalog {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shareable_across_threads() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<ModelCatalog>();
+        assert_send_sync::<ModelTokenizer>();
+        assert_send_sync::<TokenizedRequest>();
+        assert_send_sync::<TokenizeError>();
+    }
+
+    #[test]
+    fn config_shape() {
+        let config: CatalogConfig = serde_yaml::from_str(
+            "models:\n  - name: base\n    files:\n      tokenizer_json: /m/tokenizer.json\n\
+             lora_adapters:\n  - name: sql\n    base_model: base\n",
+        )
+        .unwrap();
+        assert_eq!(config.models[0].files.tokenizer_config, None);
+        assert_eq!(config.lora_adapters[0].base_model, "base");
+        let missing = ModelCatalog::load(&config).unwrap_err();
+        assert!(
+            missing.to_string().contains("/m/tokenizer.json"),
+            "{missing}"
+        );
+    }
+}

@@ -71,6 +71,8 @@ impl TokenizerFiles {
 pub struct ModelTokenizer {
     tokenizer: Tokenizer,
     template: Option<ChatTemplate>,
+    /// The config's `tool_use` named template, for requests with tools.
+    tool_use_template: Option<ChatTemplate>,
     /// Special tokens, then server-side variables: every render sees these.
     globals: Vec<(String, String)>,
     vocab_size: usize,
@@ -82,6 +84,7 @@ impl std::fmt::Debug for ModelTokenizer {
         f.debug_struct("ModelTokenizer")
             .field("vocab_size", &self.vocab_size)
             .field("has_chat_template", &self.template.is_some())
+            .field("has_tool_use_template", &self.tool_use_template.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -102,29 +105,37 @@ fn token_text(value: &JsonValue) -> Option<&str> {
     }
 }
 
-/// The config's `chat_template`: a string, or a list of `{name, template}` (the `default` one).
-fn config_template(config: &JsonValue, path: &Path) -> Result<Option<String>, LoadError> {
+/// The config's `chat_template`: a string, or a list of `{name, template}` from which
+/// transformers uses `tool_use` for requests with tools and `default` otherwise.
+/// Returns (default, tool_use).
+fn config_templates(
+    config: &JsonValue,
+    path: &Path,
+) -> Result<(Option<String>, Option<String>), LoadError> {
     let field_err = |reason: &str| LoadError::Field {
         path: path.to_owned(),
         field: "chat_template",
         reason: reason.to_owned(),
     };
     match config.get("chat_template") {
-        None | Some(JsonValue::Null) => Ok(None),
-        Some(JsonValue::String(s)) => Ok(Some(s.clone())),
+        None | Some(JsonValue::Null) => Ok((None, None)),
+        Some(JsonValue::String(s)) => Ok((Some(s.clone()), None)),
         Some(JsonValue::Array(named)) => {
-            let default = named
-                .iter()
-                .find(|t| t.get("name").and_then(JsonValue::as_str) == Some("default"));
-            match default
-                .and_then(|t| t.get("template"))
-                .and_then(JsonValue::as_str)
-            {
-                Some(s) => Ok(Some(s.to_owned())),
-                None => Err(field_err(
-                    "a list of named templates without a `default` one",
-                )),
+            let mut found = (None, None);
+            for entry in named {
+                let name = entry.get("name").and_then(JsonValue::as_str);
+                let template = entry.get("template").and_then(JsonValue::as_str);
+                match (name, template) {
+                    (Some("default"), Some(t)) => found.0 = Some(t.to_owned()),
+                    (Some("tool_use"), Some(t)) => found.1 = Some(t.to_owned()),
+                    (Some(_), Some(_)) => {}
+                    _ => return Err(field_err("each named template needs `name` and `template`")),
+                }
             }
+            if found.0.is_none() && found.1.is_none() {
+                return Err(field_err("no `default` or `tool_use` template"));
+            }
+            Ok(found)
         }
         Some(_) => Err(field_err("expected a string or a list of named templates")),
     }
@@ -157,8 +168,8 @@ impl ModelTokenizer {
         let vocab_size = tokenizer.get_vocab_size(true);
 
         let mut globals = Vec::new();
-        let mut template = None;
-        let mut template_path = None;
+        let mut sources = (None, None);
+        let mut template_path = PathBuf::new();
         if let Some(config_path) = &files.tokenizer_config {
             let config: JsonValue =
                 serde_json::from_str(&read(config_path)?).map_err(|source| LoadError::Json {
@@ -178,28 +189,31 @@ impl ModelTokenizer {
                     }
                 }
             }
-            template = config_template(&config, config_path)?;
-            template_path = Some(config_path.clone());
+            sources = config_templates(&config, config_path)?;
+            template_path = config_path.clone();
         }
         if let Some(override_path) = &files.chat_template {
-            template = Some(read(override_path)?);
-            template_path = Some(override_path.clone());
+            // Like vLLM's --chat-template: one template for every request.
+            sources = (Some(read(override_path)?), None);
+            template_path = override_path.clone();
         }
-        let template = match (template, template_path) {
-            (Some(source), Some(path)) => {
-                Some(
-                    ChatTemplate::compile(source).map_err(|e| LoadError::Template {
-                        path,
+        let compile = |source: Option<String>| {
+            source
+                .map(|s| {
+                    ChatTemplate::compile(s).map_err(|e| LoadError::Template {
+                        path: template_path.clone(),
                         reason: e.to_string(),
-                    })?,
-                )
-            }
-            _ => None,
+                    })
+                })
+                .transpose()
         };
+        let template = compile(sources.0)?;
+        let tool_use_template = compile(sources.1)?;
         let segments = SegmentCache::new(&tokenizer, DEFAULT_SEGMENT_CACHE_TOKENS);
         Ok(ModelTokenizer {
             tokenizer,
             template,
+            tool_use_template,
             globals,
             vocab_size,
             segments,
@@ -240,7 +254,7 @@ impl ModelTokenizer {
         self.vocab_size
     }
 
-    /// Whether chat requests can be rendered.
+    /// Whether chat requests (without tools) can be rendered.
     pub fn has_chat_template(&self) -> bool {
         self.template.is_some()
     }
@@ -295,16 +309,20 @@ impl ModelTokenizer {
     }
 
     /// Renders a conversation with the chat template, as transformers' `apply_chat_template`
-    /// (with `tokenize=False`) would for vLLM.
+    /// (with `tokenize=False`) would for vLLM. A config with named templates uses `tool_use`
+    /// for requests with tools, `default` otherwise.
     ///
     /// Template variables, later ones overriding earlier ones: `messages`, `tools` (always
     /// defined, `none` when absent), `documents` (`none`), `add_generation_prompt`, the special
     /// tokens and server-side variables ([`ModelTokenizer::template_globals`]), then every
     /// `chat_template_kwargs` entry except `messages`.
     pub fn render_chat(&self, chat: &ChatPrompt) -> Result<String, TokenizeError> {
-        let template = self
-            .template
+        let named_tool_use = self
+            .tool_use_template
             .as_ref()
+            .filter(|_| chat.tools.is_some());
+        let template = named_tool_use
+            .or(self.template.as_ref())
             .ok_or(TokenizeError::NoChatTemplate)?;
         let Some(last) = chat.messages.last() else {
             return Err(TokenizeError::EmptyMessages);
@@ -366,5 +384,73 @@ impl ModelTokenizer {
         } else {
             Ok(rendered)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tokenize::request::{Endpoint, parse_request};
+
+    fn chat(model: &ModelTokenizer, body: &str) -> Result<String, TokenizeError> {
+        match parse_request(Endpoint::ChatCompletions, body.as_bytes())?.prompt {
+            Prompt::Chat(chat) => model.render_chat(&chat),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn named_templates_and_load_errors() {
+        let fixtures = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/tokenizer/small-bpe"
+        );
+        let dir = std::env::temp_dir().join(format!("kv-epp-model-test-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let config = dir.join("tokenizer_config.json");
+        fs::write(
+            &config,
+            r#"{"bos_token": {"__type": "AddedToken", "content": "<s>"}, "unk_token": null,
+                "chat_template": [{"name": "default", "template": "D{{ bos_token }}"},
+                                  {"name": "tool_use", "template": "T{{ tools | length }}"}]}"#,
+        )
+        .unwrap();
+        let files = TokenizerFiles {
+            tokenizer_json: PathBuf::from(fixtures).join("tokenizer.json"),
+            tokenizer_config: Some(config.clone()),
+            chat_template: None,
+        };
+        let model = ModelTokenizer::load(&files).unwrap();
+        assert_eq!(
+            model.template_globals(),
+            [("bos_token".to_owned(), "<s>".to_owned())]
+        );
+        let plain = r#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#;
+        let tools = r#"{"model":"m","messages":[{"role":"user","content":"x"}],"tools":[{},{}]}"#;
+        assert_eq!(chat(&model, plain).unwrap(), "D<s>");
+        assert_eq!(chat(&model, tools).unwrap(), "T2");
+
+        fs::write(&config, r#"{"chat_template": "{% if %}"}"#).unwrap();
+        let err = ModelTokenizer::load(&files).unwrap_err().to_string();
+        assert!(
+            err.contains("tokenizer_config.json") && err.contains("compile"),
+            "{err}"
+        );
+        fs::write(&config, r#"{"eos_token": 3}"#).unwrap();
+        let err = ModelTokenizer::load(&files).unwrap_err().to_string();
+        assert!(err.contains("`eos_token`"), "{err}");
+        fs::write(&config, r#"{"#).unwrap();
+        let err = ModelTokenizer::load(&files).unwrap_err().to_string();
+        assert!(err.contains("invalid JSON"), "{err}");
+        let no_template = ModelTokenizer::load(&TokenizerFiles {
+            tokenizer_config: None,
+            ..files.clone()
+        })
+        .unwrap();
+        assert!(matches!(
+            chat(&no_template, plain),
+            Err(TokenizeError::NoChatTemplate)
+        ));
+        fs::remove_dir_all(&dir).unwrap();
     }
 }

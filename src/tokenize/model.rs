@@ -313,7 +313,7 @@ impl ModelTokenizer {
     /// for requests with tools, `default` otherwise.
     ///
     /// Template variables, later ones overriding earlier ones: `messages`, `tools` (always
-    /// defined, `none` when absent), `documents` (`none`), `add_generation_prompt`, the special
+    /// defined, `none` when absent), `documents` (likewise), `add_generation_prompt`, the special
     /// tokens and server-side variables ([`ModelTokenizer::template_globals`]), then every
     /// `chat_template_kwargs` entry except `messages`.
     pub fn render_chat(&self, chat: &ChatPrompt) -> Result<String, TokenizeError> {
@@ -357,7 +357,12 @@ impl ModelTokenizer {
             Value::from("tools"),
             chat.tools.clone().map_or(Value::from(()), Json::into_value),
         );
-        vars.insert(Value::from("documents"), Value::from(()));
+        vars.insert(
+            Value::from("documents"),
+            chat.documents
+                .clone()
+                .map_or(Value::from(()), Json::into_value),
+        );
         vars.insert(
             Value::from("add_generation_prompt"),
             Value::from(chat.add_generation_prompt),
@@ -429,6 +434,14 @@ mod tests {
         let tools = r#"{"model":"m","messages":[{"role":"user","content":"x"}],"tools":[{},{}]}"#;
         assert_eq!(chat(&model, plain).unwrap(), "D<s>");
         assert_eq!(chat(&model, tools).unwrap(), "T2");
+        let docs = ModelTokenizer {
+            template: Some(
+                ChatTemplate::compile("{{ documents[0].title }}|{{ tools }}".into()).unwrap(),
+            ),
+            ..ModelTokenizer::load(&files).unwrap()
+        };
+        let with_docs = r#"{"model":"m","messages":[{"role":"user"}],"documents":[{"title":"t"}]}"#;
+        assert_eq!(chat(&docs, with_docs).unwrap(), "t|None");
 
         fs::write(&config, r#"{"chat_template": "{% if %}"}"#).unwrap();
         let err = ModelTokenizer::load(&files).unwrap_err().to_string();

@@ -52,7 +52,7 @@ pub struct ParsedRequest {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Prompt {
     /// A conversation to render with the chat template, then encode.
-    Chat(ChatPrompt),
+    Chat(Box<ChatPrompt>),
     /// Text to encode.
     Text {
         /// The prompt text.
@@ -71,6 +71,8 @@ pub struct ChatPrompt {
     pub messages: Vec<Message>,
     /// `tools` as sent (`None` when absent or null; the template variable is then `none`).
     pub tools: Option<Json>,
+    /// `documents` as sent (RAG templates read it; vLLM passes it through), else `None`.
+    pub documents: Option<Json>,
     /// Default `true`.
     pub add_generation_prompt: bool,
     /// Default `false`.
@@ -89,6 +91,8 @@ struct WireChat {
     messages: Option<Vec<WireMessage>>,
     #[serde(default)]
     tools: Json,
+    #[serde(default)]
+    documents: Json,
     #[serde(default)]
     add_generation_prompt: Option<bool>,
     #[serde(default)]
@@ -125,14 +129,15 @@ pub fn parse_request(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, T
                 .collect::<Result<Vec<_>, _>>()?;
             Ok(ParsedRequest {
                 model,
-                prompt: Prompt::Chat(ChatPrompt {
+                prompt: Prompt::Chat(Box::new(ChatPrompt {
                     messages,
                     tools: (!wire.tools.is_null()).then_some(wire.tools),
+                    documents: (!wire.documents.is_null()).then_some(wire.documents),
                     add_generation_prompt: wire.add_generation_prompt.unwrap_or(true),
                     continue_final_message: wire.continue_final_message.unwrap_or(false),
                     add_special_tokens: wire.add_special_tokens.unwrap_or(false),
                     template_kwargs: wire.chat_template_kwargs.unwrap_or_default(),
-                }),
+                })),
             })
         }
         Endpoint::Completions => {

@@ -20,5 +20,6 @@ pub mod salt;
 pub mod scoring;
 pub mod server;
 pub mod sim;
+pub mod tokenize;
 pub mod worker;
 pub mod workload;

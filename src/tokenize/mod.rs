@@ -1,0 +1,39 @@
+//! Request understanding, part two: an OpenAI request body → the prompt token ids the engine
+//! will compute.
+//!
+//! The router can only match what the engine cached if it computes the same token ids as vLLM,
+//! which renders chat templates and encodes with Hugging Face transformers. This module
+//! reproduces that pipeline, checked case by case against transformers in
+//! `tests/tokenize_fixtures.rs`:
+//!
+//! ```text
+//! body ─▶ request (parse, defaults) ─▶ messages (normalise) ─▶ template (render) ─▶ model (encode)
+//!                                      catalog: model name ─▶ tokenizer + LoRA adapter name
+//! ```
+//!
+//! - [`catalog`]: the entry point, [`ModelCatalog::tokenize`].
+//! - [`request`]: OpenAI bodies and their defaults; [`messages`]: what the template sees.
+//! - [`model`]: loading `tokenizer.json` / `tokenizer_config.json` once; encoding; rendering.
+//! - `template`, `pystr`, `pyjson`, `strftime`: Jinja2-under-Python semantics on minijinja.
+//! - [`json`]: an order-preserving JSON tree for tools and tool calls.
+//! - `segments`: exact reuse of token ids of prompt segments seen before (cut at special tokens).
+//!
+//! Invariant: nothing here depends on a clock except `strftime_now`, and nothing does I/O after
+//! [`ModelTokenizer::load`].
+
+pub mod catalog;
+pub mod error;
+pub mod json;
+pub mod messages;
+pub mod model;
+pub mod pyjson;
+pub mod pystr;
+pub mod request;
+mod segments;
+mod strftime;
+mod template;
+
+pub use catalog::{CatalogConfig, LoraAdapter, ModelCatalog, ModelSpec, TokenizedRequest};
+pub use error::{LoadError, TokenizeError};
+pub use model::{ModelTokenizer, TokenizerFiles};
+pub use request::{ChatPrompt, Endpoint, ParsedRequest, Prompt, parse_request};

@@ -1,0 +1,469 @@
+//! One model's tokenizer: `tokenizer.json` + `tokenizer_config.json` (+ an optional chat template
+//! override), loaded once at start, then used read-only by every request.
+//!
+//! Encoding is the `tokenizers` crate's pipeline, the same code transformers' fast tokenizers
+//! run: added tokens split out first, then normalizer, pre-tokenizer, BPE, and the
+//! post-processor only when `add_special_tokens` is set. Truncation and padding configured in
+//! `tokenizer.json` are switched off: the engine sees the whole prompt, so must we.
+//! A `tokenizer_config.json` flag such as `add_bos_token` is NOT applied on top of the
+//! post-processor (transformers 5 builds the post-processor into `tokenizer.json`).
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use indexmap::IndexMap;
+use minijinja::Value;
+use serde_json::Value as JsonValue;
+use tokenizers::Tokenizer;
+
+use super::error::{LoadError, TokenizeError};
+use super::json::Json;
+use super::request::{ChatPrompt, Prompt};
+use super::segments::SegmentCache;
+use super::template::{CONTINUE_TAG, ChatTemplate, RenderError, cut_at_continue_tag};
+
+/// Default budget of the segment cache, in tokens (about 16 MiB of ids).
+pub const DEFAULT_SEGMENT_CACHE_TOKENS: usize = 4 << 20;
+
+/// The special-token attributes transformers 5 passes to every template render, in order.
+const SPECIAL_TOKEN_ATTRIBUTES: [&str; 7] = [
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+];
+
+/// Where a model's tokenizer files are.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizerFiles {
+    /// `tokenizer.json` (Hugging Face fast-tokenizer format).
+    pub tokenizer_json: PathBuf,
+    /// `tokenizer_config.json`: special tokens and, usually, the chat template.
+    #[serde(default)]
+    pub tokenizer_config: Option<PathBuf>,
+    /// A chat template file that replaces the config's (like vLLM's `--chat-template`).
+    #[serde(default)]
+    pub chat_template: Option<PathBuf>,
+}
+
+impl TokenizerFiles {
+    /// The files of a Hugging Face model directory: `tokenizer.json`, `tokenizer_config.json`
+    /// when present, and `chat_template.jinja` when present (transformers prefers it to the
+    /// config's `chat_template`).
+    pub fn in_dir(dir: impl AsRef<Path>) -> TokenizerFiles {
+        let dir = dir.as_ref();
+        let config = dir.join("tokenizer_config.json");
+        let template = dir.join("chat_template.jinja");
+        TokenizerFiles {
+            tokenizer_json: dir.join("tokenizer.json"),
+            tokenizer_config: config.is_file().then_some(config),
+            chat_template: template.is_file().then_some(template),
+        }
+    }
+}
+
+/// A loaded tokenizer and chat template. Immutable after [`ModelTokenizer::load`] (plus
+/// [`ModelTokenizer::set_template_var`] at start); share it behind an `Arc`.
+pub struct ModelTokenizer {
+    tokenizer: Tokenizer,
+    template: Option<ChatTemplate>,
+    /// The config's `tool_use` named template, for requests with tools.
+    tool_use_template: Option<ChatTemplate>,
+    /// Special tokens, then server-side variables: every render sees these.
+    globals: Vec<(String, String)>,
+    vocab_size: usize,
+    segments: SegmentCache,
+}
+
+impl std::fmt::Debug for ModelTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelTokenizer")
+            .field("vocab_size", &self.vocab_size)
+            .field("has_chat_template", &self.template.is_some())
+            .field("has_tool_use_template", &self.tool_use_template.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+fn read(path: &Path) -> Result<String, LoadError> {
+    fs::read_to_string(path).map_err(|source| LoadError::Read {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// A special token in `tokenizer_config.json`: a string or an `AddedToken` object.
+fn token_text(value: &JsonValue) -> Option<&str> {
+    match value {
+        JsonValue::String(s) => Some(s),
+        JsonValue::Object(o) => o.get("content").and_then(JsonValue::as_str),
+        _ => None,
+    }
+}
+
+/// The config's `chat_template`: a string, or a list of `{name, template}` from which
+/// transformers uses `tool_use` for requests with tools and `default` otherwise.
+/// Returns (default, tool_use).
+fn config_templates(
+    config: &JsonValue,
+    path: &Path,
+) -> Result<(Option<String>, Option<String>), LoadError> {
+    let field_err = |reason: &str| LoadError::Field {
+        path: path.to_owned(),
+        field: "chat_template",
+        reason: reason.to_owned(),
+    };
+    match config.get("chat_template") {
+        None | Some(JsonValue::Null) => Ok((None, None)),
+        Some(JsonValue::String(s)) => Ok((Some(s.clone()), None)),
+        Some(JsonValue::Array(named)) => {
+            let mut found = (None, None);
+            for entry in named {
+                let name = entry.get("name").and_then(JsonValue::as_str);
+                let template = entry.get("template").and_then(JsonValue::as_str);
+                match (name, template) {
+                    (Some("default"), Some(t)) => found.0 = Some(t.to_owned()),
+                    (Some("tool_use"), Some(t)) => found.1 = Some(t.to_owned()),
+                    (Some(_), Some(_)) => {}
+                    _ => return Err(field_err("each named template needs `name` and `template`")),
+                }
+            }
+            if found.0.is_none() && found.1.is_none() {
+                return Err(field_err("no `default` or `tool_use` template"));
+            }
+            Ok(found)
+        }
+        Some(_) => Err(field_err("expected a string or a list of named templates")),
+    }
+}
+
+impl ModelTokenizer {
+    /// Loads and checks the files; compiles the chat template. Run once at start.
+    ///
+    /// Errors name the file (and field) at fault: unreadable file, invalid JSON, a
+    /// `tokenizer.json` the `tokenizers` crate rejects, a special token of the wrong type, a chat
+    /// template that does not compile.
+    pub fn load(files: &TokenizerFiles) -> Result<ModelTokenizer, LoadError> {
+        let path = &files.tokenizer_json;
+        let mut tokenizer: Tokenizer =
+            read(path)?
+                .parse()
+                .map_err(
+                    |e: Box<dyn std::error::Error + Send + Sync>| LoadError::Tokenizer {
+                        path: path.clone(),
+                        reason: e.to_string(),
+                    },
+                )?;
+        tokenizer
+            .with_truncation(None)
+            .map_err(|e| LoadError::Tokenizer {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?;
+        tokenizer.with_padding(None);
+        let vocab_size = tokenizer.get_vocab_size(true);
+
+        let mut globals = Vec::new();
+        let mut sources = (None, None);
+        let mut template_path = PathBuf::new();
+        if let Some(config_path) = &files.tokenizer_config {
+            let config: JsonValue =
+                serde_json::from_str(&read(config_path)?).map_err(|source| LoadError::Json {
+                    path: config_path.clone(),
+                    source,
+                })?;
+            for attr in SPECIAL_TOKEN_ATTRIBUTES {
+                match config.get(attr) {
+                    None | Some(JsonValue::Null) => {}
+                    Some(v) => {
+                        let text = token_text(v).ok_or_else(|| LoadError::Field {
+                            path: config_path.clone(),
+                            field: attr,
+                            reason: "expected a string or an AddedToken object".to_owned(),
+                        })?;
+                        globals.push((attr.to_owned(), text.to_owned()));
+                    }
+                }
+            }
+            sources = config_templates(&config, config_path)?;
+            template_path = config_path.clone();
+        }
+        if let Some(override_path) = &files.chat_template {
+            // Like vLLM's --chat-template: one template for every request.
+            sources = (Some(read(override_path)?), None);
+            template_path = override_path.clone();
+        }
+        let compile = |source: Option<String>| {
+            source
+                .map(|s| {
+                    ChatTemplate::compile(s).map_err(|e| LoadError::Template {
+                        path: template_path.clone(),
+                        reason: e.to_string(),
+                    })
+                })
+                .transpose()
+        };
+        let template = compile(sources.0)?;
+        let tool_use_template = compile(sources.1)?;
+        let segments = SegmentCache::new(&tokenizer, DEFAULT_SEGMENT_CACHE_TOKENS);
+        Ok(ModelTokenizer {
+            tokenizer,
+            template,
+            tool_use_template,
+            globals,
+            vocab_size,
+            segments,
+        })
+    }
+
+    /// Sets the segment cache budget in tokens (0 turns the cache off). Call at start, before
+    /// sharing; drops what was cached.
+    pub fn set_segment_cache_capacity(&mut self, tokens: usize) {
+        self.segments = SegmentCache::new(&self.tokenizer, tokens);
+    }
+
+    /// Forgets every cached segment (benchmarks and tests use it to measure cold requests).
+    pub fn clear_segment_cache(&self) {
+        self.segments.clear();
+    }
+
+    /// Defines a server-side template variable (e.g. `date_string`) for every render; a
+    /// request's `chat_template_kwargs` still override it. Call at start, before sharing.
+    pub fn set_template_var(&mut self, name: impl Into<String>, value: impl Into<String>) {
+        let name = name.into();
+        let value = value.into();
+        match self.globals.iter_mut().find(|(k, _)| *k == name) {
+            Some(slot) => slot.1 = value,
+            None => self.globals.push((name, value)),
+        }
+    }
+
+    /// The variables every render sees besides the request's: the special tokens of the config
+    /// (`bos_token`, `eos_token`, ... as strings), then those set by
+    /// [`ModelTokenizer::set_template_var`].
+    pub fn template_globals(&self) -> &[(String, String)] {
+        &self.globals
+    }
+
+    /// Vocabulary size including added tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// Whether chat requests (without tools) can be rendered.
+    pub fn has_chat_template(&self) -> bool {
+        self.template.is_some()
+    }
+
+    /// Token ids of a prompt, exactly as the engine computes them.
+    pub fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>, TokenizeError> {
+        match prompt {
+            Prompt::Chat(chat) => {
+                let text = self.render_chat(chat)?;
+                self.encode(&text, chat.add_special_tokens)
+            }
+            Prompt::Text {
+                text,
+                add_special_tokens,
+            } => self.encode(text, *add_special_tokens),
+            Prompt::TokenIds(ids) => {
+                if let Some(&id) = ids.iter().find(|&&id| id as usize >= self.vocab_size) {
+                    return Err(TokenizeError::TokenOutOfVocabulary {
+                        id,
+                        vocab_size: self.vocab_size,
+                    });
+                }
+                Ok(ids.clone())
+            }
+        }
+    }
+
+    /// Encodes text. Special tokens written in the text (e.g. `<|im_start|>` typed by a user)
+    /// become their ids, as in transformers; `add_special_tokens` runs the post-processor.
+    ///
+    /// Without the post-processor, segments of the text seen before (between special tokens,
+    /// see `segments.rs`) are taken from the cache, so a conversation's next turn only encodes
+    /// what is new.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
+        if add_special_tokens {
+            return self.encode_uncached(text, true);
+        }
+        self.segments
+            .encode(text, |segment| self.encode_uncached(segment, false))
+    }
+
+    fn encode_uncached(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let encoding = self
+            .tokenizer
+            .encode_fast(text, add_special_tokens)
+            .map_err(|e| TokenizeError::Encode(e.to_string()))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Renders a conversation with the chat template, as transformers' `apply_chat_template`
+    /// (with `tokenize=False`) would for vLLM. A config with named templates uses `tool_use`
+    /// for requests with tools, `default` otherwise.
+    ///
+    /// Template variables, later ones overriding earlier ones: `messages`, `tools` (always
+    /// defined, `none` when absent), `documents` (likewise), `add_generation_prompt`, the special
+    /// tokens and server-side variables ([`ModelTokenizer::template_globals`]), then every
+    /// `chat_template_kwargs` entry except `messages`.
+    pub fn render_chat(&self, chat: &ChatPrompt) -> Result<String, TokenizeError> {
+        let named_tool_use = self
+            .tool_use_template
+            .as_ref()
+            .filter(|_| chat.tools.is_some());
+        let template = named_tool_use
+            .or(self.template.as_ref())
+            .ok_or(TokenizeError::NoChatTemplate)?;
+        let Some(last) = chat.messages.last() else {
+            return Err(TokenizeError::EmptyMessages);
+        };
+        let suffix = if chat.continue_final_message {
+            if chat.add_generation_prompt {
+                return Err(TokenizeError::IncompatibleOptions(
+                    "continue_final_message and add_generation_prompt cannot both be set",
+                ));
+            }
+            if !template.mentions_content() {
+                return Err(TokenizeError::ContinueFinalMessage(
+                    "the chat template never reads `content`",
+                ));
+            }
+            CONTINUE_TAG
+        } else {
+            ""
+        };
+        let count = chat.messages.len();
+        let messages: Vec<Value> = chat
+            .messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| m.to_value(if i + 1 == count { suffix } else { "" }))
+            .collect();
+
+        let mut vars: IndexMap<Value, Value> =
+            IndexMap::with_capacity(4 + self.globals.len() + chat.template_kwargs.len());
+        vars.insert(Value::from("messages"), Value::from(messages));
+        vars.insert(
+            Value::from("tools"),
+            chat.tools.clone().map_or(Value::from(()), Json::into_value),
+        );
+        vars.insert(
+            Value::from("documents"),
+            chat.documents
+                .clone()
+                .map_or(Value::from(()), Json::into_value),
+        );
+        vars.insert(
+            Value::from("add_generation_prompt"),
+            Value::from(chat.add_generation_prompt),
+        );
+        for (name, value) in &self.globals {
+            vars.insert(Value::from(name.as_str()), Value::from(value.as_str()));
+        }
+        for (name, value) in &chat.template_kwargs {
+            if name != "messages" {
+                vars.insert(Value::from(name.as_str()), value.clone().into_value());
+            }
+        }
+
+        let rendered = template.render(Value::from(vars)).map_err(|e| match e {
+            RenderError::Raised(m) => TokenizeError::TemplateRejected(m),
+            RenderError::Failed(m) => TokenizeError::TemplateFailed(m),
+        })?;
+        if chat.continue_final_message {
+            cut_at_continue_tag(&rendered, &last.content).ok_or(
+                TokenizeError::ContinueFinalMessage(
+                    "the final message does not appear in the rendered prompt",
+                ),
+            )
+        } else {
+            Ok(rendered)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tokenize::request::{Endpoint, parse_request};
+
+    fn chat(model: &ModelTokenizer, body: &str) -> Result<String, TokenizeError> {
+        match parse_request(Endpoint::ChatCompletions, body.as_bytes())?.prompt {
+            Prompt::Chat(chat) => model.render_chat(&chat),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn named_templates_and_load_errors() {
+        let fixtures = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/tokenizer/small-bpe"
+        );
+        let dir = std::env::temp_dir().join(format!("kv-epp-model-test-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let config = dir.join("tokenizer_config.json");
+        fs::write(
+            &config,
+            r#"{"bos_token": {"__type": "AddedToken", "content": "<s>"}, "unk_token": null,
+                "chat_template": [{"name": "default", "template": "D{{ bos_token }}"},
+                                  {"name": "tool_use", "template": "T{{ tools | length }}"}]}"#,
+        )
+        .unwrap();
+        let files = TokenizerFiles {
+            tokenizer_json: PathBuf::from(fixtures).join("tokenizer.json"),
+            tokenizer_config: Some(config.clone()),
+            chat_template: None,
+        };
+        let model = ModelTokenizer::load(&files).unwrap();
+        assert_eq!(
+            model.template_globals(),
+            [("bos_token".to_owned(), "<s>".to_owned())]
+        );
+        let plain = r#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#;
+        let tools = r#"{"model":"m","messages":[{"role":"user","content":"x"}],"tools":[{},{}]}"#;
+        assert_eq!(chat(&model, plain).unwrap(), "D<s>");
+        assert_eq!(chat(&model, tools).unwrap(), "T2");
+        let docs = ModelTokenizer {
+            template: Some(
+                ChatTemplate::compile("{{ documents[0].title }}|{{ tools }}".into()).unwrap(),
+            ),
+            ..ModelTokenizer::load(&files).unwrap()
+        };
+        let with_docs = r#"{"model":"m","messages":[{"role":"user"}],"documents":[{"title":"t"}]}"#;
+        assert_eq!(chat(&docs, with_docs).unwrap(), "t|None");
+
+        fs::write(&config, r#"{"chat_template": "{% if %}"}"#).unwrap();
+        let err = ModelTokenizer::load(&files).unwrap_err().to_string();
+        assert!(
+            err.contains("tokenizer_config.json") && err.contains("compile"),
+            "{err}"
+        );
+        fs::write(&config, r#"{"eos_token": 3}"#).unwrap();
+        let err = ModelTokenizer::load(&files).unwrap_err().to_string();
+        assert!(err.contains("`eos_token`"), "{err}");
+        fs::write(&config, r#"{"#).unwrap();
+        let err = ModelTokenizer::load(&files).unwrap_err().to_string();
+        assert!(err.contains("invalid JSON"), "{err}");
+        let no_template = ModelTokenizer::load(&TokenizerFiles {
+            tokenizer_config: None,
+            ..files.clone()
+        })
+        .unwrap();
+        assert!(matches!(
+            chat(&no_template, plain),
+            Err(TokenizeError::NoChatTemplate)
+        ));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}

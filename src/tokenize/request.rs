@@ -1,0 +1,300 @@
+//! OpenAI request bodies → what has to be tokenized.
+//!
+//! One `serde_json` pass per body; fields no template or tokenizer reads are skipped without
+//! being materialised. Defaults follow vLLM: chat renders with `add_generation_prompt = true` and
+//! encodes with `add_special_tokens = false` (the template writes any BOS itself); completions
+//! encode with `add_special_tokens = true`.
+//!
+//! Completions prompts: a string is encoded; a list of token ids is used as is; a batch (list of
+//! strings, or list of token-id lists) routes on its FIRST prompt, since one request goes to one
+//! worker and the first prompt is the one the engine schedules first.
+//! `/v1/responses` is not handled (its `input` items need their own normalisation).
+
+use indexmap::IndexMap;
+use serde::Deserialize;
+
+use super::error::TokenizeError;
+use super::json::Json;
+use super::messages::{Message, WireMessage};
+
+/// The OpenAI endpoints whose prompts kv-epp can tokenize.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`.
+    ChatCompletions,
+    /// `/v1/completions`.
+    Completions,
+}
+
+impl Endpoint {
+    /// The endpoint of a request path (`:path` pseudo-header; a query string is ignored), or
+    /// `None` when kv-epp does not tokenize that path.
+    pub fn from_path(path: &str) -> Option<Endpoint> {
+        let path = path.split_once('?').map_or(path, |(p, _)| p);
+        match path.trim_end_matches('/') {
+            "/v1/chat/completions" => Some(Endpoint::ChatCompletions),
+            "/v1/completions" => Some(Endpoint::Completions),
+            _ => None,
+        }
+    }
+}
+
+/// A parsed request: the model it names and its prompt.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParsedRequest {
+    /// The `model` field: a base model or a LoRA adapter name.
+    pub model: String,
+    /// What to tokenize.
+    pub prompt: Prompt,
+}
+
+/// What to tokenize.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Prompt {
+    /// A conversation to render with the chat template, then encode.
+    Chat(Box<ChatPrompt>),
+    /// Text to encode.
+    Text {
+        /// The prompt text.
+        text: String,
+        /// Whether the tokenizer's post-processor (e.g. a BOS) applies.
+        add_special_tokens: bool,
+    },
+    /// Token ids given by the client, used as is.
+    TokenIds(Vec<u32>),
+}
+
+/// A chat conversation and its rendering options.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChatPrompt {
+    /// Normalised messages, never empty.
+    pub messages: Vec<Message>,
+    /// `tools` as sent (`None` when absent or null; the template variable is then `none`).
+    pub tools: Option<Json>,
+    /// `documents` as sent (RAG templates read it; vLLM passes it through), else `None`.
+    pub documents: Option<Json>,
+    /// Default `true`.
+    pub add_generation_prompt: bool,
+    /// Default `false`.
+    pub continue_final_message: bool,
+    /// Default `false` for chat.
+    pub add_special_tokens: bool,
+    /// `chat_template_kwargs`: extra template variables that override all others.
+    pub template_kwargs: IndexMap<String, Json>,
+}
+
+#[derive(Deserialize)]
+struct WireChat {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    messages: Option<Vec<WireMessage>>,
+    #[serde(default)]
+    tools: Json,
+    #[serde(default)]
+    documents: Json,
+    #[serde(default)]
+    add_generation_prompt: Option<bool>,
+    #[serde(default)]
+    continue_final_message: Option<bool>,
+    #[serde(default)]
+    add_special_tokens: Option<bool>,
+    #[serde(default)]
+    chat_template_kwargs: Option<IndexMap<String, Json>>,
+}
+
+#[derive(Deserialize)]
+struct WireCompletion {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    prompt: Json,
+    #[serde(default)]
+    add_special_tokens: Option<bool>,
+}
+
+/// Parses a request body of `endpoint`. Cost: one pass over the body; message texts are copied
+/// once.
+pub fn parse_request(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, TokenizeError> {
+    match endpoint {
+        Endpoint::ChatCompletions => {
+            let wire: WireChat = serde_json::from_slice(body)?;
+            let model = wire.model.ok_or(TokenizeError::MissingModel)?;
+            let messages = wire
+                .messages
+                .filter(|m| !m.is_empty())
+                .ok_or(TokenizeError::EmptyMessages)?
+                .into_iter()
+                .map(Message::from_wire)
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(ParsedRequest {
+                model,
+                prompt: Prompt::Chat(Box::new(ChatPrompt {
+                    messages,
+                    tools: (!wire.tools.is_null()).then_some(wire.tools),
+                    documents: (!wire.documents.is_null()).then_some(wire.documents),
+                    add_generation_prompt: wire.add_generation_prompt.unwrap_or(true),
+                    continue_final_message: wire.continue_final_message.unwrap_or(false),
+                    add_special_tokens: wire.add_special_tokens.unwrap_or(false),
+                    template_kwargs: wire.chat_template_kwargs.unwrap_or_default(),
+                })),
+            })
+        }
+        Endpoint::Completions => {
+            let wire: WireCompletion = serde_json::from_slice(body)?;
+            let model = wire.model.ok_or(TokenizeError::MissingModel)?;
+            let add_special_tokens = wire.add_special_tokens.unwrap_or(true);
+            Ok(ParsedRequest {
+                model,
+                prompt: completion_prompt(wire.prompt, add_special_tokens)?,
+            })
+        }
+    }
+}
+
+fn completion_prompt(prompt: Json, add_special_tokens: bool) -> Result<Prompt, TokenizeError> {
+    match prompt {
+        Json::Str(text) => Ok(Prompt::Text {
+            text,
+            add_special_tokens,
+        }),
+        Json::Array(items) => {
+            let Some(first) = items.first() else {
+                return Err(TokenizeError::InvalidPrompt("empty prompt list"));
+            };
+            match first {
+                Json::UInt(_) => token_ids(items).map(Prompt::TokenIds),
+                Json::Str(_) | Json::Array(_) => {
+                    // A batch: route on the first prompt.
+                    let first = items.into_iter().next().unwrap_or_default();
+                    match first {
+                        Json::Str(text) => Ok(Prompt::Text {
+                            text,
+                            add_special_tokens,
+                        }),
+                        Json::Array(ids) => token_ids(ids).map(Prompt::TokenIds),
+                        _ => Err(TokenizeError::InvalidPrompt("unsupported prompt list")),
+                    }
+                }
+                _ => Err(TokenizeError::InvalidPrompt("unsupported prompt list")),
+            }
+        }
+        Json::Null => Err(TokenizeError::InvalidPrompt("missing prompt")),
+        _ => Err(TokenizeError::InvalidPrompt(
+            "prompt must be a string, a list of token ids, or a batch of either",
+        )),
+    }
+}
+
+fn token_ids(items: Vec<Json>) -> Result<Vec<u32>, TokenizeError> {
+    if items.is_empty() {
+        return Err(TokenizeError::InvalidPrompt("empty token id list"));
+    }
+    items
+        .into_iter()
+        .map(|item| match item {
+            Json::UInt(id) => u32::try_from(id)
+                .map_err(|_| TokenizeError::InvalidPrompt("token id does not fit in 32 bits")),
+            _ => Err(TokenizeError::InvalidPrompt(
+                "token ids must be non-negative integers",
+            )),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(endpoint: Endpoint, body: &str) -> Result<ParsedRequest, TokenizeError> {
+        parse_request(endpoint, body.as_bytes())
+    }
+
+    #[test]
+    fn paths() {
+        assert_eq!(
+            Endpoint::from_path("/v1/chat/completions?x=1"),
+            Some(Endpoint::ChatCompletions)
+        );
+        assert_eq!(
+            Endpoint::from_path("/v1/completions"),
+            Some(Endpoint::Completions)
+        );
+        assert_eq!(Endpoint::from_path("/v1/models"), None);
+    }
+
+    #[test]
+    fn chat_defaults_and_errors() {
+        let r = parse(
+            Endpoint::ChatCompletions,
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}"#,
+        )
+        .unwrap();
+        let Prompt::Chat(chat) = r.prompt else {
+            panic!()
+        };
+        assert!(chat.add_generation_prompt && !chat.add_special_tokens);
+        assert!(!chat.continue_final_message && chat.tools.is_none());
+        assert!(matches!(
+            parse(
+                Endpoint::ChatCompletions,
+                r#"{"messages":[{"role":"user"}]}"#
+            ),
+            Err(TokenizeError::MissingModel)
+        ));
+        assert!(matches!(
+            parse(Endpoint::ChatCompletions, r#"{"model":"m","messages":[]}"#),
+            Err(TokenizeError::EmptyMessages)
+        ));
+        assert!(matches!(
+            parse(
+                Endpoint::ChatCompletions,
+                r#"{"model":"m","messages":[{"content":"x"}]}"#
+            ),
+            Err(TokenizeError::MalformedBody(_))
+        ));
+        assert!(matches!(
+            parse(Endpoint::ChatCompletions, "{not json"),
+            Err(TokenizeError::MalformedBody(_))
+        ));
+    }
+
+    #[test]
+    fn completion_prompt_forms() {
+        let prompt = |p: &str| {
+            parse(
+                Endpoint::Completions,
+                &format!(r#"{{"model":"m","prompt":{p}}}"#),
+            )
+            .map(|r| r.prompt)
+        };
+        assert_eq!(
+            prompt(r#""hi""#).unwrap(),
+            Prompt::Text {
+                text: "hi".into(),
+                add_special_tokens: true
+            }
+        );
+        assert_eq!(prompt("[1,2,3]").unwrap(), Prompt::TokenIds(vec![1, 2, 3]));
+        assert_eq!(prompt("[[4,5],[6]]").unwrap(), Prompt::TokenIds(vec![4, 5]));
+        assert_eq!(
+            prompt(r#"["a","b"]"#).unwrap(),
+            Prompt::Text {
+                text: "a".into(),
+                add_special_tokens: true
+            }
+        );
+        for bad in [
+            "[]",
+            "[-1]",
+            "[1.5]",
+            "[4294967296]",
+            "null",
+            "3",
+            "[[]]",
+            r#"[1,"a"]"#,
+        ] {
+            assert!(prompt(bad).is_err(), "{bad}");
+        }
+    }
+}

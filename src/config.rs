@@ -287,6 +287,64 @@ pub struct ModelConfig {
     /// LoRA adapters served on this base model (clients may name them in `model`).
     #[serde(default)]
     pub lora_adapters: Vec<String>,
+    /// The model's tokenizer files (a Hugging Face model directory); without them only token-ID
+    /// prompts are routed by prefix, text and chat prompts on load alone.
+    #[serde(default)]
+    pub tokenizer: Option<TokenizerSource>,
+    /// Longest prompt accepted, in tokens (400 above); unlimited when unset.
+    #[serde(default)]
+    pub max_prompt_tokens: Option<usize>,
+}
+
+/// Where a model's tokenizer files are.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizerSource {
+    /// Directory holding `tokenizer.json`, and optionally `tokenizer_config.json` and
+    /// `chat_template.jinja`.
+    pub path: PathBuf,
+    /// A chat template file that replaces the directory's (like vLLM's `--chat-template`).
+    #[serde(default)]
+    pub chat_template: Option<PathBuf>,
+    /// Extra template variables set server-side (e.g. `date_string`).
+    #[serde(default)]
+    pub template_vars: std::collections::BTreeMap<String, String>,
+}
+
+impl Config {
+    /// Loads every configured tokenizer (I/O: call once at start). Errors name the model.
+    pub fn load_tokenizers(&self) -> Result<crate::tokenize::ModelCatalog, ConfigError> {
+        use crate::tokenize::{LoraAdapter, ModelCatalog, ModelTokenizer, TokenizerFiles};
+        let mut catalog = ModelCatalog::new();
+        for (i, m) in self.models.iter().enumerate() {
+            let Some(src) = &m.tokenizer else { continue };
+            let mut files = TokenizerFiles::in_dir(&src.path);
+            if src.chat_template.is_some() {
+                files.chat_template = src.chat_template.clone();
+            }
+            let mut tok = ModelTokenizer::load(&files).map_err(|e| {
+                ConfigError::Invalid(format!("models[{i}].tokenizer ({}): {e}", m.name))
+            })?;
+            for (k, v) in &src.template_vars {
+                tok.set_template_var(k.clone(), v.clone());
+            }
+            let invalid = |e: crate::tokenize::LoadError| {
+                ConfigError::Invalid(format!("models[{i}] ({}): {e}", m.name))
+            };
+            catalog
+                .insert_model(&m.name, std::sync::Arc::new(tok))
+                .map_err(invalid)?;
+            for a in &m.lora_adapters {
+                catalog
+                    .insert_adapter(&LoraAdapter {
+                        name: a.clone(),
+                        base_model: m.name.clone(),
+                    })
+                    .map_err(invalid)?;
+            }
+        }
+        Ok(catalog)
+    }
 }
 
 /// A statically configured worker.

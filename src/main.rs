@@ -20,6 +20,8 @@ enum Command {
     Serve(cli::serve::ServeArgs),
     /// Print the local and sequence block hashes of a JSON token array read on stdin.
     Hash(cli::hash::HashArgs),
+    /// Show the model, token IDs, salt fingerprint, block hashes and forwarded body of a request.
+    Tokenize(cli::tokenize::TokenizeArgs),
     /// Route a multi-tenant workload with kv-epp and with round-robin and compare.
     Demo(cli::demo::DemoArgs),
     /// Run a simulated vLLM worker: OpenAI HTTP API, prefix cache, KV events over ZeroMQ.
@@ -31,6 +33,9 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve(args) => cli::serve::run(&args),
         Command::Hash(args) => cli::hash::run(&args, std::io::stdin().lock()).map(|out| {
+            println!("{out}");
+        }),
+        Command::Tokenize(args) => cli::tokenize::run(&args, std::io::stdin().lock()).map(|out| {
             println!("{out}");
         }),
         Command::Demo(args) => cli::demo::run(&args).map(|out| print!("{out}")),

@@ -20,6 +20,7 @@ use crate::index::KvIndex;
 use crate::metrics::Metrics;
 use crate::salt::{CacheSalt, SaltPolicy, seed_for};
 use crate::scoring::{Candidate, EngineLoad, PickError, ScoringConfig, pick};
+use crate::tokenize::{Endpoint, ModelCatalog, TokenizeError};
 use crate::worker::WorkerId;
 
 /// Live state of one worker as the router sees it.
@@ -169,11 +170,41 @@ pub struct Router {
     fingerprints: FingerprintKey,
     metrics: Arc<Metrics>,
     decisions: AtomicU64,
+    tokenizers: ModelCatalog,
+    max_prompt_tokens: HashMap<String, usize>,
+}
+
+/// Why a prompt was refused before routing.
+#[derive(Debug, thiserror::Error)]
+pub enum PromptError {
+    /// The request could not be tokenized (a client error: 400, or 404 for an unknown model).
+    #[error(transparent)]
+    Tokenize(#[from] TokenizeError),
+    /// The prompt is longer than the model allows.
+    #[error("prompt is {tokens} tokens; model `{model}` accepts at most {max}")]
+    TooLong {
+        /// The model.
+        model: String,
+        /// Prompt tokens.
+        tokens: usize,
+        /// The limit.
+        max: usize,
+    },
 }
 
 impl Router {
-    /// Builds the router from a validated configuration.
+    /// Builds the router from a validated configuration, without tokenizers (token-ID prompts
+    /// are still routed by prefix).
     pub fn new(config: &Config, metrics: Arc<Metrics>) -> Router {
+        Self::with_tokenizers(config, metrics, ModelCatalog::new())
+    }
+
+    /// Builds the router with the models' tokenizers (see `Config::load_tokenizers`).
+    pub fn with_tokenizers(
+        config: &Config,
+        metrics: Arc<Metrics>,
+        tokenizers: ModelCatalog,
+    ) -> Router {
         let mut models = HashMap::new();
         let mut adapters = HashMap::new();
         for m in &config.models {
@@ -209,6 +240,12 @@ impl Router {
                 .unwrap_or_else(FingerprintKey::random),
             metrics,
             decisions: AtomicU64::new(0),
+            tokenizers,
+            max_prompt_tokens: config
+                .models
+                .iter()
+                .filter_map(|m| Some((m.name.clone(), m.max_prompt_tokens?)))
+                .collect(),
         };
         for w in &config.workers {
             router.add_worker(w.id(), &w.model);
@@ -296,6 +333,38 @@ impl Router {
         self.adapters
             .get(model)
             .map(|base| (base.as_str(), Some(model)))
+    }
+
+    /// Token IDs of a text or chat request, when its model has a tokenizer and `path` is an
+    /// endpoint kv-epp tokenizes (`None` otherwise: route on load alone).
+    pub fn tokenize(&self, path: &str, body: &[u8]) -> Option<Result<Vec<u32>, TokenizeError>> {
+        let endpoint = Endpoint::from_path(path)?;
+        let model = serde_json::from_slice::<serde_json::Value>(body)
+            .ok()?
+            .get("model")?
+            .as_str()?
+            .to_owned();
+        self.tokenizers.resolve(&model)?;
+        Some(
+            self.tokenizers
+                .tokenize(endpoint, body)
+                .map(|t| t.token_ids),
+        )
+    }
+
+    /// Checks a prompt against its model's `max_prompt_tokens`.
+    pub fn check_prompt(&self, model: Option<&str>, tokens: usize) -> Result<(), PromptError> {
+        let Some((base, _)) = model.and_then(|m| self.resolve_model(m)) else {
+            return Ok(());
+        };
+        match self.max_prompt_tokens.get(base) {
+            Some(&max) if tokens > max => Err(PromptError::TooLong {
+                model: base.to_owned(),
+                tokens,
+                max,
+            }),
+            _ => Ok(()),
+        }
     }
 
     /// The prefix hashes of a prompt for a model, under a salt and adapter.

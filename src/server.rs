@@ -41,6 +41,9 @@ pub enum ServeError {
         /// The cause.
         source: std::io::Error,
     },
+    /// A tokenizer could not be loaded.
+    #[error("{0}")]
+    Tokenizer(String),
     /// TLS material could not be loaded or generated.
     #[error("TLS: {0}")]
     Tls(String),
@@ -96,7 +99,10 @@ impl Server {
     /// Binds every listener and starts serving. Ports of 0 bind ephemeral ports.
     pub async fn start(config: &Config) -> Result<Server, ServeError> {
         let metrics = Arc::new(Metrics::new());
-        let router = Arc::new(Router::new(config, metrics.clone()));
+        let tokenizers = config
+            .load_tokenizers()
+            .map_err(|e| ServeError::Tokenizer(e.to_string()))?;
+        let router = Arc::new(Router::with_tokenizers(config, metrics.clone(), tokenizers));
         let ip = config.server.bind_address;
         let grpc = bind("ext_proc", SocketAddr::new(ip, config.server.grpc_port)).await?;
         let health = bind(

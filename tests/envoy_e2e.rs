@@ -73,6 +73,14 @@ impl Rig {
             .expect("request through envoy")
     }
 
+    async fn chat(&self, headers: &[(&str, &str)], body: &[u8]) -> HttpResponse {
+        let mut h = vec![("content-type", "application/json")];
+        h.extend_from_slice(headers);
+        http(self.addr(), "POST", "/v1/chat/completions", &h, body)
+            .await
+            .expect("request through envoy")
+    }
+
     async fn metrics(&self) -> String {
         http(self.server.metrics_addr, "GET", "/metrics", &[], b"")
             .await
@@ -437,4 +445,66 @@ async fn full_duplex_forwards_the_header_tenant_salt() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn buffered_forwards_the_header_tenant_salt_with_right_length() {
     header_tenant_wins_and_reaches_the_engine(EnvoyShape::Buffered).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_prompts_are_tokenized_per_tenant_and_salts_reach_the_engine() {
+    let dir = format!(
+        "{}/tests/fixtures/tokenizer/small-bpe",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let Some(rig) = Rig::start(
+        EnvoyShape::FullDuplex,
+        2,
+        &format!("models: [{{name: m, block_size: 4, tokenizer: {{path: '{dir}'}}}}]"),
+    )
+    .await
+    else {
+        return;
+    };
+    let body = br#"{"model":"m","messages":[{"role":"system","content":"You are a helpful assistant."},{"role":"user","content":"Hello! How are you? Tell me about KV caches."}]}"#;
+    // What the engine will compute, from the same tokenizer files.
+    let catalog = rig.server.router.tokenize("/v1/chat/completions", body);
+    let tokens = catalog.expect("model has a tokenizer").unwrap();
+    assert!(tokens.len() >= 16);
+    let holder = rig.ups[1].addr;
+    seed(
+        &rig.server,
+        holder,
+        &tokens[..tokens.len() / 4 * 4],
+        Some("tenant-a"),
+    );
+    let r = rig.chat(&[("x-tenant-id", "tenant-a")], body).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-served-by"), Some(holder.to_string().as_str()));
+    let m = rig.metrics().await;
+    let cached = metric(&m, "kv_epp_cached_blocks_total{model=\"m\"}");
+    assert_eq!(
+        cached,
+        (tokens.len() / 4) as f64,
+        "tenant-a gets full credit: {m}"
+    );
+    rig.chat(&[("x-tenant-id", "tenant-b")], body).await;
+    let m = rig.metrics().await;
+    assert_eq!(
+        metric(&m, "kv_epp_cached_blocks_total{model=\"m\"}"),
+        cached,
+        "tenant-b's identical prompt hashes differently: no credit"
+    );
+    let salts: Vec<String> = rig
+        .ups
+        .iter()
+        .flat_map(|u| u.received.lock().unwrap().clone())
+        .map(|g| {
+            serde_json::from_slice::<serde_json::Value>(&g.body).unwrap()["cache_salt"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned()
+        })
+        .collect();
+    assert!(salts.contains(&"kvepp:tenant-a".to_string()), "{salts:?}");
+    assert!(salts.contains(&"kvepp:tenant-b".to_string()), "{salts:?}");
+    // A malformed chat request is refused by kv-epp with a reason.
+    let r = rig.chat(&[], br#"{"model":"m","messages":[]}"#).await;
+    assert_eq!(r.status, 400, "{}", r.text());
 }

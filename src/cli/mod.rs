@@ -4,3 +4,4 @@ pub mod demo;
 pub mod hash;
 pub mod serve;
 pub mod sim_worker;
+pub mod tokenize;

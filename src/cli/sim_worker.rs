@@ -164,10 +164,36 @@ pub fn effective_config(args: &SimWorkerArgs) -> Result<SimWorkerConfig, String>
     })
 }
 
+/// The tokenizer of the served models (shared code with `serve`), when `--config-file` names
+/// tokenizer files: text and chat prompts then get the token IDs vLLM would compute.
+fn tokenize_hook(args: &SimWorkerArgs) -> Result<Option<kv_epp::sim::api::TokenizeHook>, String> {
+    let Some(path) = &args.config_file else {
+        return Ok(None);
+    };
+    let config = Config::from_file(path).map_err(|e| e.to_string())?;
+    if config.models.iter().all(|m| m.tokenizer.is_none()) {
+        return Ok(None);
+    }
+    let catalog = std::sync::Arc::new(config.load_tokenizers().map_err(|e| e.to_string())?);
+    Ok(Some(std::sync::Arc::new(
+        move |body: &[u8], endpoint: kv_epp::sim::api::Endpoint| {
+            let endpoint = match endpoint {
+                kv_epp::sim::api::Endpoint::Chat => kv_epp::tokenize::Endpoint::ChatCompletions,
+                kv_epp::sim::api::Endpoint::Completions => kv_epp::tokenize::Endpoint::Completions,
+            };
+            catalog
+                .tokenize(endpoint, body)
+                .map(|t| t.token_ids)
+                .map_err(|e| e.to_string())
+        },
+    )))
+}
+
 /// Runs the worker until SIGTERM/Ctrl-C. Prints one line with the bound addresses when ready.
 pub fn run(args: &SimWorkerArgs) -> Result<(), String> {
     init_logs(&args.log_format)?;
     let config = effective_config(args)?;
+    let hook = tokenize_hook(args)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -175,7 +201,7 @@ pub fn run(args: &SimWorkerArgs) -> Result<(), String> {
         .map_err(|e| format!("starting the runtime: {e}"))?;
     rt.block_on(async move {
         let block_size = config.engine.block_size;
-        let worker = server::start(config, None).await?;
+        let worker = server::start(config, hook).await?;
         println!(
             "kv-epp sim-worker: http {} events {} replay {} block_size {}",
             worker.http_addr,

@@ -34,6 +34,7 @@ use crate::metrics::Metrics;
 use crate::request::{self, Prompt};
 use crate::router::{RouteDecision, RouteError, RouteRequest, Router};
 use crate::salt::{SaltInputs, TENANT_HEADER, resolve};
+use crate::tokenize::TokenizeError;
 
 /// Options of the stream handler (from the configuration).
 #[derive(Clone, Debug)]
@@ -75,6 +76,7 @@ impl BodyMode {
 /// What the request headers told us.
 #[derive(Debug, Default)]
 struct RequestHead {
+    path: String,
     tenant: Vec<Vec<u8>>,
     /// Client-sent control headers to strip before forwarding.
     strip: Vec<String>,
@@ -282,7 +284,9 @@ impl StreamHandler {
             } else {
                 hv.raw_value.as_slice()
             };
-            if key == TENANT_HEADER {
+            if key == ":path" {
+                head.path = String::from_utf8_lossy(value).into_owned();
+            } else if key == TENANT_HEADER {
                 head.tenant.push(value.to_vec());
             } else if key == CONFORMANCE_SELECT {
                 if self.opts.conformance_hooks {
@@ -351,10 +355,36 @@ impl StreamHandler {
             }
         };
         let model = parsed.as_ref().and_then(|p| p.model.as_deref());
-        let tokens = match parsed.as_ref().map(|p| &p.prompt) {
-            Some(Prompt::TokenIds(t)) => Some(t.as_slice()),
+        let tokens: Option<Vec<u32>> = match (parsed.as_ref().map(|p| &p.prompt), body.as_deref()) {
+            (Some(Prompt::TokenIds(t)), _) => Some(t.clone()),
+            (Some(_), Some(bytes)) => match self.router.tokenize(&head.path, bytes) {
+                None => None,
+                Some(Ok(t)) => Some(t),
+                Some(Err(e)) if e.is_client_error() => {
+                    metrics.request(model.unwrap_or(""), "rejected_bad_request");
+                    let status = if matches!(e, TokenizeError::UnknownModel(_)) {
+                        404
+                    } else {
+                        400
+                    };
+                    return reject(status, "bad-request", &e.to_string());
+                }
+                Some(Err(e)) => {
+                    // Our failure, not the client's: route on load alone rather than refuse.
+                    tracing::warn!(error = %e, "tokenization failed; routing on load alone");
+                    metrics.request(model.unwrap_or(""), "tokenize_failed");
+                    None
+                }
+            },
             _ => None,
         };
+        if let Some(t) = &tokens
+            && let Err(e) = self.router.check_prompt(model, t.len())
+        {
+            metrics.request(model.unwrap_or(""), "rejected_prompt_too_long");
+            return reject(400, "prompt-too-long", &e.to_string());
+        }
+        let tokens = tokens.as_deref();
         let req = RouteRequest {
             model,
             tokens,

@@ -14,7 +14,7 @@ use serde_json::Value;
 /// see `messages`, `add_generation_prompt`, ...) and returns the prompt's token IDs, or a message
 /// that becomes a 400. Without a hook, text and chat prompts are refused with
 /// [`TEXT_NEEDS_TOKENIZER`].
-pub type TokenizeHook = Arc<dyn Fn(&Value) -> Result<Vec<u32>, String> + Send + Sync>;
+pub type TokenizeHook = Arc<dyn Fn(&[u8], Endpoint) -> Result<Vec<u32>, String> + Send + Sync>;
 
 /// The 400 message for a text or chat prompt when no tokenizer is wired in.
 pub const TEXT_NEEDS_TOKENIZER: &str = "text prompts need a tokenizer; send token IDs";
@@ -152,11 +152,11 @@ pub fn parse_request(
             None => return Err(bad("prompt is required")),
             Some(p) => match token_prompt(p)? {
                 Some(t) => t,
-                None => with_tokenizer(&json, tokenize)?,
+                None => with_tokenizer(body, endpoint, tokenize)?,
             },
         },
         Endpoint::Chat => match json.get("messages") {
-            Some(Value::Array(_)) => with_tokenizer(&json, tokenize)?,
+            Some(Value::Array(_)) => with_tokenizer(body, endpoint, tokenize)?,
             _ => return Err(bad("messages must be an array")),
         },
     };
@@ -199,9 +199,13 @@ pub fn parse_request(
     })
 }
 
-fn with_tokenizer(json: &Value, tokenize: Option<&TokenizeHook>) -> Result<Vec<u32>, ApiError> {
+fn with_tokenizer(
+    body: &[u8],
+    endpoint: Endpoint,
+    tokenize: Option<&TokenizeHook>,
+) -> Result<Vec<u32>, ApiError> {
     match tokenize {
-        Some(t) => t(json).map_err(ApiError::BadRequest),
+        Some(t) => t(body, endpoint).map_err(ApiError::BadRequest),
         None => Err(bad(TEXT_NEEDS_TOKENIZER)),
     }
 }
@@ -326,8 +330,8 @@ mod tests {
 
     #[test]
     fn tokenize_hook_serves_text_and_chat() {
-        let hook: TokenizeHook = Arc::new(|body: &Value| {
-            if body.get("messages").is_some() {
+        let hook: TokenizeHook = Arc::new(|_body: &[u8], endpoint: Endpoint| {
+            if endpoint == Endpoint::Chat {
                 Ok(vec![9, 9])
             } else {
                 Err("no".into())

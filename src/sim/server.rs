@@ -370,9 +370,9 @@ mod tests {
     /// The tokenizer hook serves chat (and text) prompts end to end, streaming included.
     #[tokio::test]
     async fn tokenize_hook_serves_chat() {
-        let hook: TokenizeHook = Arc::new(|body: &Value| match body.get("messages") {
-            Some(_) => Ok(vec![1, 2, 3, 4, 5]),
-            None => Err("only chat here".into()),
+        let hook: TokenizeHook = Arc::new(|_body: &[u8], endpoint: Endpoint| match endpoint {
+            Endpoint::Chat => Ok(vec![1, 2, 3, 4, 5]),
+            _ => Err("only chat here".into()),
         });
         let encoder = crate::sim::events::BatchEncoder {
             layout: crate::sim::events::EventLayout::Map,

@@ -409,10 +409,12 @@ pub fn kv_epp_config(workers: &[SocketAddr], extra: &str) -> kv_epp::config::Con
     } else {
         "server: {bind_address: 127.0.0.1, grpc_port: 0, grpc_health_port: 0, metrics_port: 0, admin_port: 0}\nevents: {engine: none}\nengine_metrics: {interval_ms: 0}\n"
     };
-    let yaml = format!(
-        "{server}models: [{{name: m, block_size: 4}}]\nworkers: [{}]\n{extra}",
-        list.join(", ")
-    );
+    let models = if extra.contains("models:") {
+        ""
+    } else {
+        "models: [{name: m, block_size: 4}]\n"
+    };
+    let yaml = format!("{server}{models}workers: [{}]\n{extra}", list.join(", "));
     let c = kv_epp::config::Config::from_yaml(&yaml).unwrap();
     c.validate().unwrap();
     c

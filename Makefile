@@ -6,9 +6,9 @@ TRACE ?=
 .PHONY: demo demo-quick test tools lint unit sim-test helm-test bench fmt clean
 
 ## The main job on an embedded default workload.
-demo:
+demo: tools
 	$(CARGO) build --release --bin kv-epp
-	./target/release/kv-epp demo $(DEMO_ARGS)
+	./target/release/kv-epp demo --envoy .venv/bin/envoy $(DEMO_ARGS)
 
 demo-quick:
 	$(MAKE) demo DEMO_ARGS=--quick

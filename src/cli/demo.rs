@@ -1,8 +1,10 @@
 //! `kv-epp demo`: the multi-tenant shared-prefix workload routed by kv-epp and by round-robin,
 //! side by side, with per-tenant hit rates, simulated TTFT and an isolation check.
 //!
-//! `--in-process` runs simulated engines inside this process (no sockets): the KV index is still
-//! fed only from the engines' own KV events.
+//! By default everything runs over real sockets (see `demo_net.rs`): simulated vLLM workers,
+//! kv-epp and a real Envoy on loopback. `--in-process` runs simulated engines in simulated time
+//! inside this process instead (no sockets; the KV index is still fed only from the engines' own
+//! KV events).
 
 use std::path::PathBuf;
 
@@ -35,6 +37,12 @@ pub struct DemoArgs {
     /// Tokens per block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
+    /// Simulate in process (no sockets, simulated time) instead of the network demo.
+    #[arg(long)]
+    pub in_process: bool,
+    /// The Envoy binary (default: .venv/bin/envoy, installed by `make demo`).
+    #[arg(long)]
+    pub envoy: Option<PathBuf>,
 }
 
 /// Runs the demo and returns the report text, or an error when a check failed.
@@ -53,6 +61,28 @@ pub fn run(args: &DemoArgs) -> Result<String, String> {
             GeneratorSpec::default()
         }),
     };
+    if !args.in_process {
+        let envoy = args
+            .envoy
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(".venv/bin/envoy"));
+        if !envoy.exists() {
+            return Err(format!(
+                "Envoy not found at {} (run `make demo`, which installs it, or pass --envoy)",
+                envoy.display()
+            ));
+        }
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
+        return rt.block_on(async {
+            tokio::select! {
+                r = super::demo_net::run(&envoy, work, args.workers, args.block_size, args.num_blocks) => r,
+                _ = tokio::signal::ctrl_c() => Err("interrupted; everything the demo started was stopped".into()),
+            }
+        });
+    }
     let spec = FleetSpec {
         workers: args.workers,
         num_blocks: args.num_blocks,

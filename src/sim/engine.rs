@@ -143,6 +143,11 @@ impl Engine {
         &self.config
     }
 
+    /// Prompt tokens `req` would find cached now (no side effects).
+    pub fn peek_cached_tokens(&self, req: &CacheRequest<'_>) -> usize {
+        self.state.lock().cache.peek_cached_tokens(req)
+    }
+
     /// Current load and cache counters.
     pub fn stats(&self) -> EngineStats {
         let s = self.state.lock();

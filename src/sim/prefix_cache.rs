@@ -169,6 +169,17 @@ impl PrefixCache {
         std::mem::take(&mut self.events)
     }
 
+    /// Prompt tokens a request would find cached right now (whole blocks), without touching the
+    /// cache: the ground truth a router's view of this engine is checked against.
+    pub fn peek_cached_tokens(&self, req: &CacheRequest<'_>) -> usize {
+        let hit = self
+            .digests_of(req)
+            .iter()
+            .take_while(|d| self.by_digest.contains_key(d))
+            .count();
+        hit * self.block_size
+    }
+
     /// The digest chain of a prompt's full blocks.
     pub fn digests_of(&self, req: &CacheRequest<'_>) -> Vec<EngineDigest> {
         let mut out = Vec::new();

@@ -45,12 +45,13 @@ pub struct SimWorkerConfig {
 }
 
 /// A running simulated worker.
-#[derive(Debug)]
 pub struct SimWorker {
     /// The bound HTTP address.
     pub http_addr: SocketAddr,
     /// The bound ZeroMQ endpoints.
     pub events: BoundPublisher,
+    /// The engine (for in-process checks of what it holds).
+    pub engine: Arc<Engine>,
 }
 
 struct App {
@@ -74,6 +75,7 @@ pub async fn start(
         tokenize,
         next_id: AtomicU64::new(0),
     });
+    let engine = app.engine.clone();
     let router = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
@@ -94,7 +96,11 @@ pub async fn start(
             tracing::error!("HTTP server stopped: {e}");
         }
     });
-    Ok(SimWorker { http_addr, events })
+    Ok(SimWorker {
+        http_addr,
+        events,
+        engine,
+    })
 }
 
 fn error_response(e: &ApiError) -> Response {

@@ -189,13 +189,13 @@ fn bench_events_over_zmq() {
         let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port();
         let mut publisher = PubSocket::new();
         publisher.bind(&format!("tcp://127.0.0.1:{port}")).await.expect("bind");
-        let yaml = format!(
-            "server: {{bind_address: 127.0.0.1, grpc_port: 0, grpc_health_port: 0, metrics_port: 0, admin_port: 0}}
-             engine_metrics: {{interval_ms: 0}}
-models: [{{name: m, block_size: {BLOCK}}}]
-             workers: [{{endpoint: '127.0.0.1:1', model: m, events_endpoint: 'tcp://127.0.0.1:{port}'}}]
-"
-        );
+        let yaml = [
+            "server: {bind_address: 127.0.0.1, grpc_port: 0, grpc_health_port: 0, metrics_port: 0, admin_port: 0}".to_string(),
+            "engine_metrics: {interval_ms: 0}".to_string(),
+            format!("models: [{{name: m, block_size: {BLOCK}}}]"),
+            format!("workers: [{{endpoint: '127.0.0.1:1', model: m, events_endpoint: 'tcp://127.0.0.1:{port}'}}]"),
+        ]
+        .join("\n");
         let config = kv_epp::config::Config::from_yaml(&yaml).expect("config");
         let server = kv_epp::server::Server::start(&config).await.expect("server");
         while server.feeds.statuses().iter().any(|(_, _, s)| !s.connected.load(Ordering::Relaxed)) {

@@ -69,7 +69,8 @@ pub async fn request(
     .map_err(|_| HttpError::Timeout)?
 }
 
-fn parse(raw: &[u8]) -> Result<HttpResponse, HttpError> {
+/// Parses a whole HTTP/1.x response (status line, headers, body; chunked bodies de-chunked).
+pub fn parse(raw: &[u8]) -> Result<HttpResponse, HttpError> {
     let split = raw
         .windows(4)
         .position(|w| w == b"\r\n\r\n")

@@ -194,13 +194,7 @@ pub fn score(c: &Candidate, prompt_blocks: u32, cfg: &ScoringConfig) -> Scored {
 /// Rendezvous weight of a worker for an affinity key; stable across processes.
 fn rendezvous(key: u64, w: &WorkerId) -> u64 {
     let mut buf = [0u8; 32];
-    let ip = match w.endpoint.ip() {
-        std::net::IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
-        std::net::IpAddr::V6(v6) => v6.octets(),
-    };
-    buf[..16].copy_from_slice(&ip);
-    buf[16..18].copy_from_slice(&w.endpoint.port().to_le_bytes());
-    buf[18..22].copy_from_slice(&w.dp_rank.to_le_bytes());
+    buf[..22].copy_from_slice(&w.key_bytes());
     buf[24..32].copy_from_slice(&key.to_le_bytes());
     xxh3_64_with_seed(&buf, 0x6b76)
 }

@@ -23,6 +23,20 @@ impl WorkerId {
         }
     }
 
+    /// A fixed 22-byte encoding (IPv6-mapped address, port, rank), the same in every process:
+    /// what hashes of a worker (rendezvous weights, digests) are computed over.
+    pub fn key_bytes(&self) -> [u8; 22] {
+        let mut out = [0u8; 22];
+        let ip = match self.endpoint.ip() {
+            std::net::IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
+            std::net::IpAddr::V6(v6) => v6.octets(),
+        };
+        out[..16].copy_from_slice(&ip);
+        out[16..18].copy_from_slice(&self.endpoint.port().to_le_bytes());
+        out[18..22].copy_from_slice(&self.dp_rank.to_le_bytes());
+        out
+    }
+
     /// A worker for one data-parallel rank.
     pub fn with_rank(endpoint: SocketAddr, dp_rank: u32) -> Self {
         WorkerId { endpoint, dp_rank }

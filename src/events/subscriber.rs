@@ -25,6 +25,9 @@ use crate::worker::WorkerId;
 const REPLAY_END: u64 = u64::MAX;
 /// How long to wait for one replay message before giving up on the replay.
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long to wait for the replay socket to accept a connection (the worker's other events
+/// wait meanwhile, so keep it short).
+const REPLAY_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Where a worker publishes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -197,7 +200,7 @@ impl Feed {
             return Err("no replay endpoint".into());
         };
         let mut dealer = DealerSocket::new();
-        tokio::time::timeout(REPLAY_TIMEOUT, dealer.connect(endpoint))
+        tokio::time::timeout(REPLAY_CONNECT_TIMEOUT, dealer.connect(endpoint))
             .await
             .map_err(|_| "replay connect timed out".to_string())?
             .map_err(|e| format!("replay connect: {e}"))?;

@@ -600,13 +600,7 @@ impl KvIndex {
         let mut n = 0usize;
         self.for_each_block(|w, h, seq, seed, tiers| {
             let mut buf = [0u8; 48];
-            let ip = match w.endpoint.ip() {
-                std::net::IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
-                std::net::IpAddr::V6(v6) => v6.octets(),
-            };
-            buf[..16].copy_from_slice(&ip);
-            buf[16..18].copy_from_slice(&w.endpoint.port().to_le_bytes());
-            buf[18..22].copy_from_slice(&w.dp_rank.to_le_bytes());
+            buf[..22].copy_from_slice(&w.key_bytes());
             buf[22] = tiers;
             buf[23] = u8::from(seq.is_some());
             buf[24..32].copy_from_slice(&h.0.to_le_bytes());

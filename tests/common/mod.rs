@@ -251,49 +251,25 @@ pub async fn abort_mid_response(addr: SocketAddr, path: &str, body: &[u8]) {
 }
 
 fn parse_response(raw: &[u8]) -> std::io::Result<HttpResponse> {
-    let err = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, m.to_owned());
+    let err = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
+    // Status and (de-chunked) body as kv-epp's own client reads them; headers kept for asserts.
+    let parsed = kv_epp::httpc::parse(raw).map_err(|e| err(e.to_string()))?;
     let split = raw
         .windows(4)
         .position(|w| w == b"\r\n\r\n")
-        .ok_or_else(|| err("no header end"))?;
-    let head = std::str::from_utf8(&raw[..split]).map_err(|_| err("head not utf8"))?;
-    let mut lines = head.split("\r\n");
-    let status: u16 = lines
-        .next()
-        .and_then(|l| l.split(' ').nth(1))
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| err("bad status line"))?;
-    let headers: Vec<(String, String)> = lines
+        .unwrap_or(raw.len());
+    let head = String::from_utf8_lossy(&raw[..split]);
+    let headers: Vec<(String, String)> = head
+        .split("\r\n")
+        .skip(1)
         .filter_map(|l| l.split_once(':'))
         .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
         .collect();
-    let mut body = raw[split + 4..].to_vec();
-    if headers
-        .iter()
-        .any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"))
-    {
-        body = dechunk(&body).ok_or_else(|| err("bad chunked body"))?;
-    }
     Ok(HttpResponse {
-        status,
+        status: parsed.status,
         headers,
-        body,
+        body: parsed.body,
     })
-}
-
-fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
-    let mut out = Vec::new();
-    loop {
-        let eol = b.windows(2).position(|w| w == b"\r\n")?;
-        let size_hex = std::str::from_utf8(&b[..eol]).ok()?;
-        let size = usize::from_str_radix(size_hex.split(';').next()?.trim(), 16).ok()?;
-        b = &b[eol + 2..];
-        if size == 0 {
-            return Some(out);
-        }
-        out.extend_from_slice(b.get(..size)?);
-        b = b.get(size + 2..)?;
-    }
 }
 
 /// A request as an upstream worker received it.

@@ -36,7 +36,8 @@ sim-test:
 
 ## The Helm chart (deploy/helm/kv-epp) rendered with several value sets; no cluster needed.
 helm-test:
-	.venv/bin/python -m pytest -q tests/helm
+	$(CARGO) build --bin kv-epp
+	KV_EPP_BIN=$(abspath $(or $(CARGO_TARGET_DIR),target))/debug/kv-epp .venv/bin/python -m pytest -q tests/helm
 
 ## Benchmarks print figures as ratios against a baseline measured in the same run.
 ## TRACE=path/to/mooncake.jsonl adds a trace-driven run.

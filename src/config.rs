@@ -37,6 +37,19 @@ pub struct Config {
     pub events: EventsConfig,
     /// Scraping engines' own load metrics.
     pub engine_metrics: EngineMetricsConfig,
+    /// Other kv-epp replicas (see `PeersConfig`).
+    pub peers: PeersConfig,
+}
+
+/// Other replicas of this picker. Each replica already builds the same index from the same
+/// per-worker event streams; bootstrapping a new replica's index from a peer is not implemented
+/// in this release, so a replica that starts late learns only from events published after it
+/// subscribed (and from what the engines' replay buffers still hold).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PeersConfig {
+    /// The headless Service listing the replicas (for peer bootstrap, once implemented).
+    pub service: Option<String>,
 }
 
 /// Scraping each worker's Prometheus `/metrics` for engine-reported load.
@@ -62,9 +75,11 @@ impl Default for EngineMetricsConfig {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum EventEngine {
-    /// vLLM (and SGLang) over ZeroMQ.
+    /// vLLM over ZeroMQ.
     #[default]
     Vllm,
+    /// SGLang: vLLM-shaped ZeroMQ events without salts (salted tenants get no credit from them).
+    Sglang,
     /// TensorRT-LLM's `POST /kv_cache_events` drain, polled.
     Trtllm,
     /// No events: route on load alone.
@@ -136,6 +151,9 @@ pub struct ServerConfig {
     pub metrics_port: u16,
     /// Admin HTTP port: the standalone query API and worker status.
     pub admin_port: u16,
+    /// Authenticate metrics scrapes (not supported yet: refused at start-up when true).
+    #[serde(default)]
+    pub metrics_auth: bool,
     /// Serve TLS on the ext_proc port.
     pub secure_serving: bool,
     /// Directory with `tls.crt` and `tls.key`; a self-signed certificate is generated when unset.
@@ -150,6 +168,7 @@ impl Default for ServerConfig {
             grpc_health_port: 9003,
             metrics_port: 9090,
             admin_port: 9091,
+            metrics_auth: false,
             secure_serving: false,
             cert_path: None,
         }
@@ -380,7 +399,7 @@ impl Config {
         worker: &WorkerId,
         overrides: Option<&StaticWorker>,
     ) -> Option<crate::events::subscriber::FeedEndpoints> {
-        if self.events.engine != EventEngine::Vllm {
+        if !matches!(self.events.engine, EventEngine::Vllm | EventEngine::Sglang) {
             return None;
         }
         let z = &self.events.zmq;
@@ -470,6 +489,12 @@ impl Config {
                     return bad(format!("{a} and {b} are both {pa}"));
                 }
             }
+        }
+        if s.metrics_auth {
+            return bad(
+                "server.metrics_auth is not supported by this kv-epp release; set it to false"
+                    .into(),
+            );
         }
         if s.cert_path.is_some() && !s.secure_serving {
             return bad("server.cert_path is set but server.secure_serving is false".into());

@@ -34,6 +34,7 @@ fn invalid_configuration_stops_start_up_naming_the_field() {
         ("routing: {max_body_bytez: 1}", "max_body_bytez"),
         ("scoring: {temperature: -1}", "scoring.temperature"),
         ("models: [{name: m, block_size: 0}]", "models[0].block_size"),
+        ("server: {metrics_auth: true}", "server.metrics_auth"),
     ];
     for (yaml, field) in cases {
         let path = write_config(yaml);

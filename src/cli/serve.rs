@@ -35,6 +35,15 @@ pub struct ServeArgs {
     /// Admin HTTP port: query API and worker status (overrides server.admin_port).
     #[arg(long)]
     pub admin_port: Option<u16>,
+    /// Port for peer replicas (reserved: peer bootstrap is not implemented in this release).
+    #[arg(long)]
+    pub peer_port: Option<u16>,
+    /// File with the shared peer token (checked to be readable; used once peer bootstrap lands).
+    #[arg(long)]
+    pub peer_token_file: Option<PathBuf>,
+    /// Check the configuration (file, flags, tokenizer files) and exit without serving.
+    #[arg(long)]
+    pub validate_only: bool,
     /// Log format: text or json.
     #[arg(long, default_value = "text")]
     pub log_format: String,
@@ -72,6 +81,10 @@ pub fn effective_config(args: &ServeArgs) -> Result<Config, String> {
         c.pool.namespace = n.clone();
     }
     c.validate().map_err(|e| e.to_string())?;
+    if let Some(path) = &args.peer_token_file {
+        std::fs::metadata(path)
+            .map_err(|e| format!("--peer-token-file {}: {e}", path.display()))?;
+    }
     if let Some(path) = c.salt.fingerprint_key_file.take() {
         let key = std::fs::read_to_string(&path)
             .map_err(|e| format!("salt.fingerprint_key_file {}: {e}", path.display()))?;
@@ -84,6 +97,16 @@ pub fn effective_config(args: &ServeArgs) -> Result<Config, String> {
 pub fn run(args: &ServeArgs) -> Result<(), String> {
     init_logs(&args.log_format)?;
     let config = effective_config(args)?;
+    if args.validate_only {
+        config.load_tokenizers().map_err(|e| e.to_string())?;
+        println!("configuration OK");
+        return Ok(());
+    }
+    if args.peer_port.is_some() || config.peers.service.is_some() {
+        tracing::warn!(
+            "peer bootstrap is not implemented in this release: this replica builds its index from the workers' event streams alone"
+        );
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

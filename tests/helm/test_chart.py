@@ -689,3 +689,64 @@ def test_documented_install_commands_render(chart, readme):
     r = render(chart, values)
     assert r.config["models"] == [{"name": "meta-llama/Llama-3.1-8B-Instruct", "block_size": 16}]
     assert r.container["image"].startswith("registry.example.com/kv-epp/kv-epp:")
+
+
+# --- the binary accepts what the chart renders ---------------------------------------------------
+
+
+def kv_epp_binary() -> Path | None:
+    path = os.environ.get("KV_EPP_BIN")
+    if path and Path(path).exists():
+        return Path(path)
+    candidate = Path(__file__).resolve().parents[2] / "target" / "debug" / "kv-epp"
+    return candidate if candidate.exists() else None
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        BASE,
+        merged(BASE, {"inferenceExtension": {"replicas": 3}}),
+        merged(BASE, {"inferencePool": {"modelServerType": "trtllm-serve"}}),
+        merged(BASE, {"inferencePool": {"modelServerType": "sglang"}}),
+        merged(BASE, {"config": {"models": [{"name": "m", "block_size": 16}]}}),
+    ],
+)
+def test_rendered_args_and_config_are_accepted_by_kv_epp(chart, values, tmp_path):
+    """Runs the real binary on the Deployment's arguments and the ConfigMap's file
+    (`serve --validate-only`), with secret mounts replaced by temporary files."""
+    import subprocess
+
+    binary = kv_epp_binary()
+    if binary is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("kv-epp binary not built (make builds it before helm-test)")
+        pytest.skip("kv-epp binary not built")
+    r = render(chart, values)
+    config = r.config
+    key = tmp_path / "fingerprint-key"
+    key.write_text("k")
+    if config.get("salt", {}).get("fingerprint_key_file"):
+        config["salt"]["fingerprint_key_file"] = str(key)
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    token = tmp_path / "peer-token"
+    token.write_text("t")
+    args = []
+    for a in r.container["args"]:
+        if a.startswith("--config-file="):
+            a = f"--config-file={config_path}"
+        elif a.startswith("--peer-token-file="):
+            a = f"--peer-token-file={token}"
+        elif a.startswith("--cert-path="):
+            continue
+        args.append(a)
+    done = subprocess.run(
+        [str(binary), *args, "--validate-only"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "NAMESPACE": NAMESPACE},
+    )
+    assert done.returncode == 0, f"{args}\n{done.stdout}\n{done.stderr}"
+    assert "configuration OK" in done.stdout

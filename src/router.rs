@@ -337,14 +337,15 @@ impl Router {
 
     /// Token IDs of a text or chat request, when its model has a tokenizer and `path` is an
     /// endpoint kv-epp tokenizes (`None` otherwise: route on load alone).
-    pub fn tokenize(&self, path: &str, body: &[u8]) -> Option<Result<Vec<u32>, TokenizeError>> {
+    /// `model` is the body's `model` field, already read by the caller (no second parse).
+    pub fn tokenize(
+        &self,
+        path: &str,
+        model: &str,
+        body: &[u8],
+    ) -> Option<Result<Vec<u32>, TokenizeError>> {
         let endpoint = Endpoint::from_path(path)?;
-        let model = serde_json::from_slice::<serde_json::Value>(body)
-            .ok()?
-            .get("model")?
-            .as_str()?
-            .to_owned();
-        self.tokenizers.resolve(&model)?;
+        self.tokenizers.resolve(model)?;
         Some(
             self.tokenizers
                 .tokenize(endpoint, body)

@@ -464,7 +464,10 @@ async fn chat_prompts_are_tokenized_per_tenant_and_salts_reach_the_engine() {
     };
     let body = br#"{"model":"m","messages":[{"role":"system","content":"You are a helpful assistant."},{"role":"user","content":"Hello! How are you? Tell me about KV caches."}]}"#;
     // What the engine will compute, from the same tokenizer files.
-    let catalog = rig.server.router.tokenize("/v1/chat/completions", body);
+    let catalog = rig
+        .server
+        .router
+        .tokenize("/v1/chat/completions", "m", body);
     let tokens = catalog.expect("model has a tokenizer").unwrap();
     assert!(tokens.len() >= 16);
     let holder = rig.ups[1].addr;

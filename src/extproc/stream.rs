@@ -357,25 +357,27 @@ impl StreamHandler {
         let model = parsed.as_ref().and_then(|p| p.model.as_deref());
         let tokens: Option<Vec<u32>> = match (parsed.as_ref().map(|p| &p.prompt), body.as_deref()) {
             (Some(Prompt::TokenIds(t)), _) => Some(t.clone()),
-            (Some(_), Some(bytes)) => match self.router.tokenize(&head.path, bytes) {
-                None => None,
-                Some(Ok(t)) => Some(t),
-                Some(Err(e)) if e.is_client_error() => {
-                    metrics.request(model.unwrap_or(""), "rejected_bad_request");
-                    let status = if matches!(e, TokenizeError::UnknownModel(_)) {
-                        404
-                    } else {
-                        400
-                    };
-                    return reject(status, "bad-request", &e.to_string());
+            (Some(_), Some(bytes)) => {
+                match self.router.tokenize(&head.path, model.unwrap_or(""), bytes) {
+                    None => None,
+                    Some(Ok(t)) => Some(t),
+                    Some(Err(e)) if e.is_client_error() => {
+                        metrics.request(model.unwrap_or(""), "rejected_bad_request");
+                        let status = if matches!(e, TokenizeError::UnknownModel(_)) {
+                            404
+                        } else {
+                            400
+                        };
+                        return reject(status, "bad-request", &e.to_string());
+                    }
+                    Some(Err(e)) => {
+                        // Our failure, not the client's: route on load alone rather than refuse.
+                        tracing::warn!(error = %e, "tokenization failed; routing on load alone");
+                        metrics.request(model.unwrap_or(""), "tokenize_failed");
+                        None
+                    }
                 }
-                Some(Err(e)) => {
-                    // Our failure, not the client's: route on load alone rather than refuse.
-                    tracing::warn!(error = %e, "tokenization failed; routing on load alone");
-                    metrics.request(model.unwrap_or(""), "tokenize_failed");
-                    None
-                }
-            },
+            }
             _ => None,
         };
         if let Some(t) = &tokens

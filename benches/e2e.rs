@@ -85,13 +85,18 @@ admin:
     (port, guard)
 }
 
-/// Sends REQUESTS requests at RATE_PER_S (open loop) and returns latencies in ms.
+/// Sends REQUESTS requests at RATE_PER_S (open loop) to `/v1/completions` and returns latencies.
 async fn run(port: u16, body: &[u8]) -> Vec<f64> {
+    run_at(port, "/v1/completions", body, REQUESTS, RATE_PER_S).await
+}
+
+/// Sends `n` requests at `rate` per second (open loop) and returns latencies in ms.
+async fn run_at(port: u16, path: &'static str, body: &[u8], n: usize, rate: f64) -> Vec<f64> {
     let body = std::sync::Arc::new(body.to_vec());
-    let gap = Duration::from_secs_f64(1.0 / RATE_PER_S);
+    let gap = Duration::from_secs_f64(1.0 / rate);
     let start = Instant::now();
     let mut tasks = Vec::new();
-    for i in 0..REQUESTS {
+    for i in 0..n {
         let due = start + gap * i as u32;
         tokio::time::sleep_until(due.into()).await;
         let body = body.clone();
@@ -100,7 +105,7 @@ async fn run(port: u16, body: &[u8]) -> Vec<f64> {
             let r = http(
                 ("127.0.0.1", port),
                 "POST",
-                "/v1/completions",
+                path,
                 &[("content-type", "application/json")],
                 &body,
             )
@@ -130,7 +135,14 @@ async fn main() {
         std::process::exit(1);
     };
     let up = Upstream::start().await;
-    let cfg = kv_epp_config(&[up.addr], "");
+    let tokenizer = format!(
+        "{}/tests/fixtures/tokenizer/small-bpe",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let cfg = kv_epp_config(
+        &[up.addr],
+        &format!("models: [{{name: m, block_size: 16, tokenizer: {{path: '{tokenizer}'}}}}]"),
+    );
     let server = Server::start(&cfg).await.unwrap();
     let via = Envoy::start(&bin, EnvoyShape::FullDuplex, server.grpc_addr.port()).await;
     let (direct_port, _direct) = direct_envoy(&bin, up.addr).await;
@@ -152,6 +164,57 @@ async fn main() {
         let _ = run(via.port, body.as_bytes()).await;
         let mut d = run(direct_port, body.as_bytes()).await;
         let mut k = run(via.port, body.as_bytes()).await;
+        let (d50, d99, k50, k99) = (
+            pct(&mut d, 0.5),
+            pct(&mut d, 0.99),
+            pct(&mut k, 0.5),
+            pct(&mut k, 0.99),
+        );
+        println!(
+            "{:>7}t | {:>8.2}ms {:>8.2}ms | {:>8.2}ms {:>8.2}ms | {:>8.2}ms {:>9.2}x",
+            tokens,
+            d50,
+            d99,
+            k50,
+            k99,
+            k50 - d50,
+            k50 / d50
+        );
+    }
+    // Chat prompts: tokenized in process by kv-epp (small BPE from the fixtures, chat template),
+    // at a lower rate, since encoding dominates (see `cargo bench --bench tokenize`).
+    const CHAT_REQUESTS: usize = 40;
+    const CHAT_RATE: f64 = 5.0;
+    println!(
+        "\nchat prompts ({CHAT_REQUESTS} requests at {CHAT_RATE} req/s, tokenized by kv-epp; the same prompt repeats, so later requests hit the tokenizer's segment cache)"
+    );
+    println!(
+        "{:>8} | {:>10} {:>10} | {:>10} {:>10} | {:>10} {:>10}",
+        "prompt", "direct p50", "p99", "kv-epp p50", "p99", "added p50", "ratio p50"
+    );
+    let words = [
+        "cache", "router", "tenant", "prefix", "block", "worker", "token", "envoy", "salt", "index",
+    ];
+    for target in [1024usize, 8192, 32768] {
+        let mut text = String::new();
+        let mut i = 0usize;
+        while text.len() < target * 5 {
+            text.push_str(words[(i * 7 + i / 3) % words.len()]);
+            text.push(if i.is_multiple_of(13) { '.' } else { ' ' });
+            i += 1;
+        }
+        let body = serde_json::json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": text}]})
+            .to_string();
+        let tokens = server
+            .router
+            .tokenize("/v1/chat/completions", "m", body.as_bytes())
+            .and_then(Result::ok)
+            .map_or(0, |t| t.len());
+        let path = "/v1/chat/completions";
+        let _ = run_at(direct_port, path, body.as_bytes(), 5, CHAT_RATE).await;
+        let _ = run_at(via.port, path, body.as_bytes(), 5, CHAT_RATE).await;
+        let mut d = run_at(direct_port, path, body.as_bytes(), CHAT_REQUESTS, CHAT_RATE).await;
+        let mut k = run_at(via.port, path, body.as_bytes(), CHAT_REQUESTS, CHAT_RATE).await;
         let (d50, d99, k50, k99) = (
             pct(&mut d, 0.5),
             pct(&mut d, 0.99),

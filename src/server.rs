@@ -140,7 +140,9 @@ impl Server {
         };
         let service = ExternalProcessorServer::new(ExtProcService::new(router.clone(), opts))
             .max_decoding_message_size(config.routing.max_body_bytes.max(4 << 20) + (1 << 20));
-        let mut builder = GrpcServer::builder();
+        // Without TCP_NODELAY, the small messages that follow a streamed body chunk wait on
+        // Nagle's algorithm and the peer's delayed ACK: tens of milliseconds per request.
+        let mut builder = GrpcServer::builder().tcp_nodelay(true);
         if config.server.secure_serving {
             builder = builder
                 .tls_config(ServerTlsConfig::new().identity(tls_identity(config)?))

@@ -21,6 +21,26 @@ fn pct(v: &mut [f64], q: f64) -> f64 {
     v[rank - 1]
 }
 
+/// One table row: direct and via-kv-epp percentiles, the added p50 and the ratio.
+fn print_row(tokens: usize, direct: &mut [f64], via: &mut [f64]) {
+    let (d50, d99, k50, k99) = (
+        pct(direct, 0.5),
+        pct(direct, 0.99),
+        pct(via, 0.5),
+        pct(via, 0.99),
+    );
+    println!(
+        "{:>7}t | {:>8.2}ms {:>8.2}ms | {:>8.2}ms {:>8.2}ms | {:>8.2}ms {:>9.2}x",
+        tokens,
+        d50,
+        d99,
+        k50,
+        k99,
+        k50 - d50,
+        k50 / d50
+    );
+}
+
 /// Envoy straight to one upstream (no ext_proc): the baseline.
 async fn direct_envoy(bin: &std::path::Path, upstream: SocketAddr) -> (u16, ChildGuard) {
     let (port, admin) = (free_port(), free_port());
@@ -164,22 +184,7 @@ async fn main() {
         let _ = run(via.port, body.as_bytes()).await;
         let mut d = run(direct_port, body.as_bytes()).await;
         let mut k = run(via.port, body.as_bytes()).await;
-        let (d50, d99, k50, k99) = (
-            pct(&mut d, 0.5),
-            pct(&mut d, 0.99),
-            pct(&mut k, 0.5),
-            pct(&mut k, 0.99),
-        );
-        println!(
-            "{:>7}t | {:>8.2}ms {:>8.2}ms | {:>8.2}ms {:>8.2}ms | {:>8.2}ms {:>9.2}x",
-            tokens,
-            d50,
-            d99,
-            k50,
-            k99,
-            k50 - d50,
-            k50 / d50
-        );
+        print_row(tokens, &mut d, &mut k);
     }
     // Chat prompts: tokenized in process by kv-epp (small BPE from the fixtures, chat template),
     // at a lower rate, since encoding dominates (see `cargo bench --bench tokenize`).
@@ -215,22 +220,7 @@ async fn main() {
         let _ = run_at(via.port, path, body.as_bytes(), 5, CHAT_RATE).await;
         let mut d = run_at(direct_port, path, body.as_bytes(), CHAT_REQUESTS, CHAT_RATE).await;
         let mut k = run_at(via.port, path, body.as_bytes(), CHAT_REQUESTS, CHAT_RATE).await;
-        let (d50, d99, k50, k99) = (
-            pct(&mut d, 0.5),
-            pct(&mut d, 0.99),
-            pct(&mut k, 0.5),
-            pct(&mut k, 0.99),
-        );
-        println!(
-            "{:>7}t | {:>8.2}ms {:>8.2}ms | {:>8.2}ms {:>8.2}ms | {:>8.2}ms {:>9.2}x",
-            tokens,
-            d50,
-            d99,
-            k50,
-            k99,
-            k50 - d50,
-            k50 / d50
-        );
+        print_row(tokens, &mut d, &mut k);
     }
     let m = http(server.metrics_addr, "GET", "/metrics", &[], b"")
         .await

@@ -14,8 +14,9 @@ use std::collections::{BinaryHeap, HashMap};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
-use crate::hashing::{HashSeed, prompt_hashes};
+use crate::hashing::prompt_hashes;
 use crate::index::{EngineBlockHash, IndexLimits, KvIndex, Medium, StoreBlocks};
+use crate::salt::{CacheSalt, SaltSource, seed_for};
 use crate::scoring::{Candidate, ScoringConfig, pick};
 use crate::sim::latency::LatencyModel;
 use crate::sim::prefix_cache::{CacheEvent, CacheRequest, EngineDigest, ExtraKey, PrefixCache};
@@ -163,13 +164,14 @@ pub fn simulate(spec: &FleetSpec, policy: &Policy, requests: &[WorkloadRequest])
             engines[e].inflight -= 1;
         }
         let salt = req.tenant.as_deref();
+        let cache_salt = salt.and_then(|s| CacheSalt::new(s, SaltSource::Header).ok().flatten());
         let (chosen, credited) = match policy {
             Policy::RoundRobin => {
                 rr = (rr + 1) % spec.workers;
                 (rr, 0)
             }
             Policy::KvAware(cfg) => {
-                let seed = HashSeed::new(None, salt);
+                let seed = seed_for(cache_salt.as_ref(), None);
                 let (_, seqs) = prompt_hashes(&req.tokens, spec.block_size, seed);
                 let overlaps = index.query(&seqs);
                 let cands: Vec<Candidate> = ids
@@ -199,9 +201,11 @@ pub fn simulate(spec: &FleetSpec, policy: &Policy, requests: &[WorkloadRequest])
             }
         };
         let engine = &mut engines[chosen];
+        // The engine receives the salt in kv-epp's forwarded form, as in production.
+        let forwarded = cache_salt.as_ref().map(crate::engine_salt::forwarded);
         let creq = CacheRequest {
             tokens: &req.tokens,
-            salt,
+            salt: forwarded.as_deref(),
             lora_name: None,
         };
         let hit_digests = engine.cache.digests_of(&creq);
@@ -252,8 +256,8 @@ pub fn simulate(spec: &FleetSpec, policy: &Policy, requests: &[WorkloadRequest])
     report
 }
 
-/// Applies one engine event to the index the way the event decoder does: the salt is the
-/// first block's last string extra key that is not the LoRA name.
+/// Applies one engine event to the index the way the event subscriber does (same namespace rule:
+/// `events::apply::root_seed`).
 pub fn apply_event(index: &KvIndex, worker: &WorkerId, ev: &CacheEvent) {
     match ev {
         CacheEvent::Stored {
@@ -263,12 +267,16 @@ pub fn apply_event(index: &KvIndex, worker: &WorkerId, ev: &CacheEvent) {
             extra_keys,
             lora_name,
         } => {
-            let salt = extra_keys.first().and_then(|keys| {
-                keys.iter().rev().find_map(|k| match k {
-                    ExtraKey::Str(s) if Some(s) != lora_name.as_ref() => Some(s.as_str()),
-                    ExtraKey::Str(_) => None,
+            // The same namespace rule the event subscriber applies.
+            let first: Vec<crate::events::vllm::ExtraKey> = extra_keys
+                .first()
+                .into_iter()
+                .flatten()
+                .map(|k| match k {
+                    ExtraKey::Str(s) => crate::events::vllm::ExtraKey::Str(s.clone()),
                 })
-            });
+                .collect();
+            let root_seed = crate::events::apply::root_seed(lora_name.as_deref(), &first);
             let engine: Vec<EngineBlockHash> =
                 hashes.iter().map(|h| EngineBlockHash(h.as_u64())).collect();
             // Ignoring the result: a worker that was removed meanwhile has nothing to update.
@@ -276,7 +284,7 @@ pub fn apply_event(index: &KvIndex, worker: &WorkerId, ev: &CacheEvent) {
                 worker,
                 &StoreBlocks {
                     parent: parent.map(|p| EngineBlockHash(p.as_u64())),
-                    root_seed: Some(HashSeed::new(lora_name.as_deref(), salt)),
+                    root_seed,
                     engine_hashes: &engine,
                     tokens,
                     medium: Medium::Device,

@@ -14,6 +14,7 @@ pub mod hashing;
 pub mod httpc;
 pub mod index;
 pub mod metrics;
+pub mod readiness;
 pub mod request;
 pub mod router;
 pub mod salt;

@@ -18,6 +18,7 @@ use crate::events::Feeds;
 use crate::extproc::ExtProcService;
 use crate::extproc::stream::StreamOptions;
 use crate::metrics::Metrics;
+use crate::readiness::Readiness;
 use crate::router::Router;
 
 /// The gRPC health service names a gateway or the kubelet may ask for.
@@ -63,6 +64,8 @@ pub struct Server {
     pub admin_addr: SocketAddr,
     /// The engine event feeds.
     pub feeds: Arc<Feeds>,
+    /// What gates this replica's readiness.
+    pub readiness: Readiness,
     shutdown: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -98,6 +101,7 @@ fn tls_identity(config: &Config) -> Result<Identity, ServeError> {
 impl Server {
     /// Binds every listener and starts serving. Ports of 0 bind ephemeral ports.
     pub async fn start(config: &Config) -> Result<Server, ServeError> {
+        let readiness = Readiness::default();
         let metrics = Arc::new(Metrics::new());
         let tokenizers = config
             .load_tokenizers()
@@ -168,9 +172,27 @@ impl Server {
                 .set_service_status(name, ServingStatus::Serving)
                 .await;
         }
+        // Liveness is always serving; the rest follow the readiness conditions.
+        let mut ready_rx = readiness.subscribe();
         let mut stop = rx.clone();
         tasks.push(tokio::spawn(async move {
-            let _keep = reporter;
+            loop {
+                let status = if *ready_rx.borrow_and_update() {
+                    ServingStatus::Serving
+                } else {
+                    ServingStatus::NotServing
+                };
+                for name in HEALTH_SERVICES.iter().filter(|n| **n != "liveness") {
+                    reporter.set_service_status(*name, status).await;
+                }
+                tokio::select! {
+                    r = ready_rx.changed() => if r.is_err() { return },
+                    _ = stop.wait_for(|s| *s) => return,
+                }
+            }
+        }));
+        let mut stop = rx.clone();
+        tasks.push(tokio::spawn(async move {
             let done = async move {
                 let _ = stop.wait_for(|s| *s).await;
             };
@@ -247,6 +269,7 @@ impl Server {
             metrics_addr,
             admin_addr,
             feeds,
+            readiness,
             shutdown,
             tasks,
         })

@@ -39,6 +39,8 @@ pub struct AdminState {
     pub router: Arc<Router>,
     /// The event feeds.
     pub feeds: Arc<Feeds>,
+    /// Replication, when configured.
+    pub replica: Option<Arc<crate::replica::ReplicaState>>,
 }
 
 /// The admin HTTP routes.
@@ -48,6 +50,7 @@ pub fn routes(state: AdminState) -> HttpRouter {
         .route("/query_by_hash", post(query_by_hash))
         .route("/workers", get(workers))
         .route("/debug/digest", get(digest))
+        .route("/debug/replica", get(replica))
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(state)
 }
@@ -230,6 +233,61 @@ async fn digest(State(s): State<AdminState>) -> Response {
         }
     }
     Json(json!({ "models": models })).into_response()
+}
+
+/// Replication status: this instance, its peers, what it owns and the relay positions. Instance
+/// ids are random per process and reveal nothing about tenants.
+async fn replica(State(s): State<AdminState>) -> Response {
+    use std::sync::atomic::Ordering::Relaxed;
+    let Some(r) = &s.replica else {
+        return Json(json!({"enabled": false})).into_response();
+    };
+    let hex = |i: u64| format!("{i:016x}");
+    let peers: Vec<Value> = r
+        .members
+        .view()
+        .iter()
+        .map(|m| json!({"addr": m.addr.to_string(), "instance": hex(m.instance), "ready": m.ready}))
+        .collect();
+    let sources: Vec<Value> = s
+        .feeds
+        .single_readers()
+        .iter()
+        .map(|(w, _)| {
+            json!({
+                "worker": w.to_string(),
+                "owner": r.owner_of(w).map(hex),
+                "polling": s.feeds.is_polling(w),
+            })
+        })
+        .collect();
+    let relay: serde_json::Map<String, Value> = r
+        .hub
+        .positions()
+        .into_iter()
+        .map(|(o, n)| (hex(o), json!(n)))
+        .collect();
+    let c = &r.counters;
+    let h = &r.hub.counters;
+    Json(json!({
+        "enabled": true,
+        "instance": hex(r.instance),
+        "ready": r.is_ready(),
+        "peers": peers,
+        "single_reader_sources": sources,
+        "relay_positions": relay,
+        "counters": {
+            "snapshots_served": c.snapshots_served.load(Relaxed),
+            "blocks_restored": c.blocks_restored.load(Relaxed),
+            "unauthenticated": c.unauthenticated.load(Relaxed),
+            "relay_originated": h.originated.load(Relaxed),
+            "relay_applied": h.applied.load(Relaxed),
+            "relay_duplicates": h.duplicates.load(Relaxed),
+            "relay_resets": h.resets.load(Relaxed),
+            "relay_unplaced": h.unplaced.load(Relaxed),
+        },
+    }))
+    .into_response()
 }
 
 async fn workers(State(s): State<AdminState>) -> Response {

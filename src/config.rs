@@ -41,15 +41,59 @@ pub struct Config {
     pub peers: PeersConfig,
 }
 
-/// Other replicas of this picker. Each replica already builds the same index from the same
-/// per-worker event streams; bootstrapping a new replica's index from a peer is not implemented
-/// in this release, so a replica that starts late learns only from events published after it
-/// subscribed (and from what the engines' replay buffers still hold).
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+/// Other replicas of this picker (see `ARCHITECTURE.md`, "Replicas"). Every replica subscribes
+/// to every worker's event stream itself; peers serve a joining replica a snapshot of the index
+/// and relay the events of single-reader sources (TensorRT-LLM) that only one replica polls.
+/// Replication is on when any of `static_peers`, `dns` or `service` is set.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PeersConfig {
-    /// The headless Service listing the replicas (for peer bootstrap, once implemented).
+    /// The Kubernetes Service whose EndpointSlices list the replicas (in `pool.namespace`).
     pub service: Option<String>,
+    /// Peer API addresses (`host:port`), this replica's own included or not.
+    pub static_peers: Vec<String>,
+    /// A DNS name (`host:port`, e.g. a headless Service) whose addresses are the replicas.
+    pub dns: Option<String>,
+    /// The peer API port (`--peer-port`).
+    pub port: u16,
+    /// File holding the shared token peers present (`--peer-token-file`); without one the peer
+    /// API is unauthenticated (a warning is logged).
+    pub token_file: Option<PathBuf>,
+    /// How long a starting replica waits for a ready peer to bootstrap from before it starts
+    /// with an empty index.
+    pub bootstrap_timeout_ms: u64,
+    /// How often peers are probed; a peer that missed three probes is not ready.
+    pub probe_interval_ms: u64,
+    /// Largest peer API message accepted or sent.
+    pub max_message_bytes: usize,
+    /// Block entries per snapshot chunk.
+    pub snapshot_chunk_blocks: u32,
+    /// Relayed batches a replica keeps for peers that reconnect.
+    pub relay_log_batches: usize,
+}
+
+impl Default for PeersConfig {
+    fn default() -> Self {
+        PeersConfig {
+            service: None,
+            static_peers: Vec::new(),
+            dns: None,
+            port: 9004,
+            token_file: None,
+            bootstrap_timeout_ms: 30_000,
+            probe_interval_ms: 300,
+            max_message_bytes: 4 << 20,
+            snapshot_chunk_blocks: 16_384,
+            relay_log_batches: 65_536,
+        }
+    }
+}
+
+impl PeersConfig {
+    /// Whether this replica has peers to find.
+    pub fn enabled(&self) -> bool {
+        !self.static_peers.is_empty() || self.dns.is_some() || self.service.is_some()
+    }
 }
 
 /// Scraping each worker's Prometheus `/metrics` for engine-reported load.
@@ -482,6 +526,14 @@ impl Config {
             ("server.grpc_health_port", s.grpc_health_port),
             ("server.metrics_port", s.metrics_port),
             ("server.admin_port", s.admin_port),
+            (
+                "peers.port",
+                if self.peers.enabled() {
+                    self.peers.port
+                } else {
+                    0
+                },
+            ),
         ];
         for (i, (a, pa)) in ports.iter().enumerate() {
             for (b, pb) in &ports[i + 1..] {
@@ -507,6 +559,34 @@ impl Config {
             return bad(
                 "engine_metrics.stale_after_ms must be ≥ engine_metrics.interval_ms".into(),
             );
+        }
+        let p = &self.peers;
+        if p.enabled() {
+            if p.probe_interval_ms == 0 || p.snapshot_chunk_blocks == 0 || p.relay_log_batches == 0
+            {
+                return bad(
+                    "peers.probe_interval_ms, peers.snapshot_chunk_blocks and peers.relay_log_batches must be > 0"
+                        .into(),
+                );
+            }
+            if p.max_message_bytes < 64 << 10 {
+                return bad("peers.max_message_bytes must be at least 65536".into());
+            }
+            // A chunk's entries are ~21 bytes each on the wire.
+            if (p.snapshot_chunk_blocks as usize).saturating_mul(24) + 1024 > p.max_message_bytes {
+                return bad(format!(
+                    "peers.snapshot_chunk_blocks ({}) does not fit in peers.max_message_bytes ({})",
+                    p.snapshot_chunk_blocks, p.max_message_bytes
+                ));
+            }
+            for (i, a) in p.static_peers.iter().chain(p.dns.iter()).enumerate() {
+                if a.rsplit_once(':')
+                    .and_then(|(_, port)| port.parse::<u16>().ok())
+                    .is_none()
+                {
+                    return bad(format!("peers: `{a}` (entry {i}) must be host:port"));
+                }
+            }
         }
         if self.routing.max_body_bytes == 0 {
             return bad("routing.max_body_bytes must be > 0".into());

@@ -15,6 +15,7 @@ pub mod httpc;
 pub mod index;
 pub mod metrics;
 pub mod readiness;
+pub mod replica;
 pub mod request;
 pub mod router;
 pub mod salt;

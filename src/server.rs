@@ -19,6 +19,7 @@ use crate::extproc::ExtProcService;
 use crate::extproc::stream::StreamOptions;
 use crate::metrics::Metrics;
 use crate::readiness::Readiness;
+use crate::replica::ReplicaState;
 use crate::router::Router;
 
 /// The gRPC health service names a gateway or the kubelet may ask for.
@@ -48,6 +49,9 @@ pub enum ServeError {
     /// TLS material could not be loaded or generated.
     #[error("TLS: {0}")]
     Tls(String),
+    /// Replication could not be set up.
+    #[error("peers: {0}")]
+    Peers(String),
 }
 
 /// A running server.
@@ -66,6 +70,10 @@ pub struct Server {
     pub feeds: Arc<Feeds>,
     /// What gates this replica's readiness.
     pub readiness: Readiness,
+    /// Replication with peer replicas, when configured.
+    pub replica: Option<Arc<ReplicaState>>,
+    /// Bound peer API address, when replication is configured.
+    pub peer_addr: Option<SocketAddr>,
     shutdown: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -118,6 +126,38 @@ impl Server {
         let admin_l = bind("admin", SocketAddr::new(ip, config.server.admin_port)).await?;
         let admin_addr = local(&admin_l);
         let feeds = Arc::new(Feeds::default());
+        let replica = match &config.peers.enabled() {
+            true => {
+                let token = match &config.peers.token_file {
+                    Some(p) => Some(std::fs::read_to_string(p).map_err(|e| {
+                        ServeError::Peers(format!("peers.token_file {}: {e}", p.display()))
+                    })?),
+                    None => None,
+                };
+                let mut peers = config.peers.clone();
+                // The peer Service is headless and lists not-ready replicas too, so its DNS name
+                // resolves to every replica.
+                if let (Some(svc), None) = (&peers.service, &peers.dns) {
+                    let ns = if config.pool.namespace.is_empty() {
+                        "default"
+                    } else {
+                        config.pool.namespace.as_str()
+                    };
+                    peers.dns = Some(format!("{svc}.{ns}.svc:{}", peers.port));
+                }
+                let state = ReplicaState::new(
+                    router.clone(),
+                    feeds.clone(),
+                    peers,
+                    token,
+                    readiness.clone(),
+                )
+                .map_err(ServeError::Peers)?;
+                let l = bind("peer", SocketAddr::new(ip, config.peers.port)).await?;
+                Some((state, l))
+            }
+            false => None,
+        };
         for w in &config.workers {
             let id = w.id();
             if let (Some(index), Some(endpoints)) =
@@ -245,9 +285,16 @@ impl Server {
                 }));
             }
         }
+        let mut peer_addr = None;
+        let replica = replica.map(|(state, listener)| {
+            peer_addr = Some(local(&listener));
+            tasks.extend(crate::replica::start(state.clone(), listener, rx.clone()));
+            state
+        });
         let admin = crate::admin::routes(crate::admin::AdminState {
             router: router.clone(),
             feeds: feeds.clone(),
+            replica: replica.clone(),
         });
         let mut stop = rx.clone();
         tasks.push(tokio::spawn(async move {
@@ -270,6 +317,8 @@ impl Server {
             admin_addr,
             feeds,
             readiness,
+            replica,
+            peer_addr,
             shutdown,
             tasks,
         })

@@ -35,10 +35,10 @@ pub struct ServeArgs {
     /// Admin HTTP port: query API and worker status (overrides server.admin_port).
     #[arg(long)]
     pub admin_port: Option<u16>,
-    /// Port for peer replicas (reserved: peer bootstrap is not implemented in this release).
+    /// Peer API port for replica bootstrap and relays (overrides peers.port).
     #[arg(long)]
     pub peer_port: Option<u16>,
-    /// File with the shared peer token (checked to be readable; used once peer bootstrap lands).
+    /// File with the shared token replicas present to each other (overrides peers.token_file).
     #[arg(long)]
     pub peer_token_file: Option<PathBuf>,
     /// Check the configuration (file, flags, tokenizer files) and exit without serving.
@@ -80,10 +80,15 @@ pub fn effective_config(args: &ServeArgs) -> Result<Config, String> {
     if let Some(n) = &args.pool_namespace {
         c.pool.namespace = n.clone();
     }
+    if let Some(p) = args.peer_port {
+        c.peers.port = p;
+    }
+    if let Some(p) = &args.peer_token_file {
+        c.peers.token_file = Some(p.clone());
+    }
     c.validate().map_err(|e| e.to_string())?;
-    if let Some(path) = &args.peer_token_file {
-        std::fs::metadata(path)
-            .map_err(|e| format!("--peer-token-file {}: {e}", path.display()))?;
+    if let Some(path) = &c.peers.token_file {
+        std::fs::metadata(path).map_err(|e| format!("peer token file {}: {e}", path.display()))?;
     }
     if let Some(path) = c.salt.fingerprint_key_file.take() {
         let key = std::fs::read_to_string(&path)
@@ -101,11 +106,6 @@ pub fn run(args: &ServeArgs) -> Result<(), String> {
         config.load_tokenizers().map_err(|e| e.to_string())?;
         println!("configuration OK");
         return Ok(());
-    }
-    if args.peer_port.is_some() || config.peers.service.is_some() {
-        tracing::warn!(
-            "peer bootstrap is not implemented in this release: this replica builds its index from the workers' event streams alone"
-        );
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -8,6 +8,7 @@
 //! - `trtllm.rs`: TensorRT-LLM's destructive HTTP drain, polled.
 
 pub mod apply;
+pub mod normalized;
 pub mod subscriber;
 pub mod trtllm;
 pub mod vllm;
@@ -35,11 +36,30 @@ struct Poller {
     task: JoinHandle<()>,
 }
 
+/// A single-reader source (TensorRT-LLM's destructive drain): its model's index and poll
+/// interval. With peers, only the replica that owns it polls it.
+#[derive(Clone)]
+pub struct SingleReader {
+    /// The worker's model index.
+    pub index: Arc<KvIndex>,
+    /// Poll interval.
+    pub interval: std::time::Duration,
+}
+
+/// A feed waiting for the bootstrap: its model index and endpoints.
+type HeldFeed = (Arc<KvIndex>, FeedEndpoints);
+
 /// The running feeds.
 #[derive(Default)]
 pub struct Feeds {
     running: Mutex<HashMap<WorkerId, Running>>,
     pollers: Mutex<HashMap<WorkerId, Poller>>,
+    single_readers: Mutex<HashMap<WorkerId, SingleReader>>,
+    /// Set while a replica bootstraps: feeds asked for meanwhile wait here, to start from the
+    /// sequence the snapshot reflects.
+    held: Mutex<Option<HashMap<WorkerId, HeldFeed>>>,
+    /// Single-reader sources are polled by their owner replica, which starts them itself.
+    owned_elsewhere: std::sync::atomic::AtomicBool,
     counters: Arc<ApplyCounters>,
 }
 
@@ -50,32 +70,121 @@ impl Feeds {
     }
 
     /// Starts a feed for `worker` (replacing one with other endpoints). Needs a Tokio runtime.
+    /// While held (see [`Feeds::hold`]), the feed waits for [`Feeds::release`].
     pub fn start(&self, worker: WorkerId, index: Arc<KvIndex>, endpoints: FeedEndpoints) {
+        if let Some(pending) = self.held.lock().as_mut() {
+            pending.insert(worker, (index, endpoints));
+            return;
+        }
+        self.start_at(worker, index, endpoints, None);
+    }
+
+    /// Starts a feed that expects `next_seq` as its first sequence (`None`: join like a new
+    /// subscriber).
+    pub fn start_at(
+        &self,
+        worker: WorkerId,
+        index: Arc<KvIndex>,
+        endpoints: FeedEndpoints,
+        next_seq: Option<u64>,
+    ) {
         let mut running = self.running.lock();
         if let Some(r) = running.get(&worker)
             && r.feed.endpoints == endpoints
         {
             return;
         }
+        let status = Arc::new(FeedStatus::default());
+        if let Some(s) = next_seq {
+            status
+                .next_seq
+                .store(s, std::sync::atomic::Ordering::Relaxed);
+        }
         let feed = Arc::new(Feed {
             worker,
             index,
             endpoints,
             counters: self.counters.clone(),
-            status: Arc::new(FeedStatus::default()),
+            status,
+            apply_lock: Mutex::new(()),
         });
-        let task = tokio::spawn(subscriber::run(feed.clone()));
+        let task = tokio::spawn(subscriber::run(feed.clone(), next_seq));
         if let Some(old) = running.insert(worker, Running { feed, task }) {
             old.task.abort();
         }
     }
 
-    /// Starts polling a TensorRT-LLM worker's event drain. Needs a Tokio runtime.
+    /// Holds new feeds back until [`Feeds::release`] (a replica bootstrapping from a peer).
+    pub fn hold(&self) {
+        self.held.lock().get_or_insert_with(HashMap::new);
+    }
+
+    /// Starts the held feeds: each from the sequence in `next_seqs`, or as a new subscriber.
+    pub fn release(&self, next_seqs: &HashMap<WorkerId, u64>) {
+        let pending = self.held.lock().take().unwrap_or_default();
+        for (worker, (index, endpoints)) in pending {
+            let seq = next_seqs.get(&worker).copied();
+            self.start_at(worker, index, endpoints, seq);
+        }
+    }
+
+    /// The running feed of a worker.
+    pub fn feed(&self, worker: &WorkerId) -> Option<Arc<Feed>> {
+        self.running.lock().get(worker).map(|r| r.feed.clone())
+    }
+
+    /// Registers a TensorRT-LLM worker's event drain and, unless replicas share it (see
+    /// [`Feeds::set_owned_elsewhere`]), starts polling it. Needs a Tokio runtime.
     pub fn start_trtllm(
         &self,
         worker: WorkerId,
         index: Arc<KvIndex>,
         interval: std::time::Duration,
+    ) {
+        self.single_readers.lock().insert(
+            worker,
+            SingleReader {
+                index: index.clone(),
+                interval,
+            },
+        );
+        if !self
+            .owned_elsewhere
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            let block_size = index.block_size();
+            self.poll(
+                worker,
+                block_size,
+                interval,
+                Arc::new(trtllm::LocalSink(index)),
+            );
+        }
+    }
+
+    /// From now on single-reader sources are polled only through [`Feeds::poll`], by the
+    /// replica that owns them.
+    pub fn set_owned_elsewhere(&self) {
+        self.owned_elsewhere
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The registered single-reader sources.
+    pub fn single_readers(&self) -> Vec<(WorkerId, SingleReader)> {
+        self.single_readers
+            .lock()
+            .iter()
+            .map(|(w, s)| (*w, s.clone()))
+            .collect()
+    }
+
+    /// Starts polling a single-reader source into `sink` (no-op if already polling).
+    pub fn poll(
+        &self,
+        worker: WorkerId,
+        block_size: usize,
+        interval: std::time::Duration,
+        sink: Arc<dyn trtllm::EventSink>,
     ) {
         let mut pollers = self.pollers.lock();
         if pollers.contains_key(&worker) {
@@ -84,12 +193,25 @@ impl Feeds {
         let status = Arc::new(trtllm::PollStatus::default());
         let task = tokio::spawn(trtllm::poll(
             worker,
-            index,
+            block_size,
+            sink,
             interval,
             self.counters.clone(),
             status.clone(),
         ));
         pollers.insert(worker, Poller { status, task });
+    }
+
+    /// Stops polling a single-reader source (it stays registered).
+    pub fn stop_polling(&self, worker: &WorkerId) {
+        if let Some(p) = self.pollers.lock().remove(worker) {
+            p.task.abort();
+        }
+    }
+
+    /// Whether this replica polls `worker`.
+    pub fn is_polling(&self, worker: &WorkerId) -> bool {
+        self.pollers.lock().contains_key(worker)
     }
 
     /// The status of every TensorRT-LLM poller.
@@ -101,14 +223,16 @@ impl Feeds {
             .collect()
     }
 
-    /// Stops a worker's feed or poller.
+    /// Stops a worker's feed or poller and forgets it.
     pub fn stop(&self, worker: &WorkerId) {
         if let Some(r) = self.running.lock().remove(worker) {
             r.task.abort();
         }
-        if let Some(p) = self.pollers.lock().remove(worker) {
-            p.task.abort();
+        if let Some(pending) = self.held.lock().as_mut() {
+            pending.remove(worker);
         }
+        self.single_readers.lock().remove(worker);
+        self.stop_polling(worker);
     }
 
     /// The status of every feed.

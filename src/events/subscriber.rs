@@ -103,9 +103,27 @@ pub struct Feed {
     pub counters: Arc<ApplyCounters>,
     /// This feed's status.
     pub status: Arc<FeedStatus>,
+    /// Held while a batch is applied with its sequence, or while the index state is dropped,
+    /// so a snapshot sees the worker's blocks and the sequence they reflect together.
+    pub apply_lock: parking_lot::Mutex<()>,
 }
 
 impl Feed {
+    /// Runs `f` with the next sequence the worker's current index state expects (`None`: no
+    /// event seen yet), with no batch being applied meanwhile.
+    pub fn consistent<R>(&self, f: impl FnOnce(Option<u64>) -> R) -> R {
+        let _g = self.apply_lock.lock();
+        let next = self.status.next_seq.load(Ordering::Relaxed);
+        f((next > 0).then_some(next))
+    }
+
+    /// Applies the batch of sequence `seq` and records it as applied.
+    fn apply_at(&self, seq: u64, payload: &[u8]) {
+        let _g = self.apply_lock.lock();
+        self.apply_payload(payload);
+        self.status.next_seq.store(seq + 1, Ordering::Relaxed);
+    }
+
     /// Applies one payload (already sequence-checked).
     pub fn apply_payload(&self, payload: &[u8]) {
         let batch = match decode_batch(payload) {
@@ -144,6 +162,7 @@ impl Feed {
 
     /// Drops the worker's state (lost events) and marks it cold.
     fn drop_state(&self, why: &str) {
+        let _g = self.apply_lock.lock();
         let dropped = self.index.clear_worker(&self.worker).unwrap_or(0);
         self.status.cold.store(true, Ordering::Relaxed);
         tracing::warn!(worker = %self.worker, dropped, "dropping worker KV state: {why}");
@@ -187,9 +206,8 @@ impl Feed {
                 }
             }
         }
-        self.apply_payload(payload);
+        self.apply_at(seq, payload);
         *expected = Some(seq + 1);
-        self.status.next_seq.store(seq + 1, Ordering::Relaxed);
     }
 
     /// Replays `from..until` through the engine's replay socket, applying batches in order.
@@ -241,15 +259,16 @@ impl Feed {
                     "engine no longer buffers sequence {next} (replay starts at {seq})"
                 ));
             }
-            self.apply_payload(payload);
+            self.apply_at(seq, payload);
             next = seq + 1;
         }
     }
 }
 
 /// Runs a feed until the task is aborted: connect, subscribe, apply, reconnect on failure.
-pub async fn run(feed: Arc<Feed>) {
-    let mut expected: Option<u64> = None;
+/// `expected`: the first sequence the current index state expects (from a peer's snapshot), or
+/// `None` to join like a new subscriber.
+pub async fn run(feed: Arc<Feed>, mut expected: Option<u64>) {
     let mut backoff = Duration::from_millis(100);
     loop {
         let mut sub = SubSocket::new();

@@ -19,10 +19,11 @@ use std::time::Duration;
 use serde_json::Value;
 
 use super::apply::ApplyCounters;
+use super::normalized::NormEvent;
 use crate::engine_salt;
 use crate::hashing::HashSeed;
 use crate::httpc;
-use crate::index::{EngineBlockHash, KvIndex, Medium, StoreBlocks};
+use crate::index::{EngineBlockHash, KvIndex, Medium};
 use crate::worker::WorkerId;
 
 /// Largest drain response read.
@@ -49,9 +50,18 @@ fn hash(v: &Value) -> Option<EngineBlockHash> {
 
 /// Applies one TensorRT-LLM event. `Err` = dropped (malformed or against the rules).
 pub fn apply_event(index: &KvIndex, worker: &WorkerId, event: &Value) -> Result<(), &'static str> {
+    match normalize(index.block_size(), event)? {
+        Some(ev) => ev.apply(index, worker).map_err(|_| "worker not registered"),
+        None => Ok(()),
+    }
+}
+
+/// One TensorRT-LLM event in kv-epp's engine-neutral form (`None`: nothing to index). `Err` =
+/// dropped (malformed or against the rules).
+pub fn normalize(block_size: usize, event: &Value) -> Result<Option<NormEvent>, &'static str> {
     let data = event.get("data").ok_or("no data")?;
     match data.get("type").and_then(Value::as_str).ok_or("no type")? {
-        "stored" => stored(index, worker, data),
+        "stored" => stored(block_size, data),
         "removed" => {
             let hashes = data
                 .get("block_hashes")
@@ -62,20 +72,17 @@ pub fn apply_event(index: &KvIndex, worker: &WorkerId, event: &Value) -> Result<
                 .collect::<Option<Vec<_>>>()
                 .ok_or("bad block hash")?;
             // TensorRT-LLM does not say which level; a removal leaves every tier.
-            for medium in [Medium::Device, Medium::Offload] {
-                index
-                    .remove(worker, &hashes, medium)
-                    .map_err(|_| "worker not registered")?;
-            }
-            Ok(())
+            Ok(Some(NormEvent::Removed {
+                engine_hashes: hashes,
+                tiers: 0b11,
+            }))
         }
-        "created" | "updated" => Ok(()),
+        "created" | "updated" => Ok(None),
         _ => Err("unknown event type"),
     }
 }
 
-fn stored(index: &KvIndex, worker: &WorkerId, data: &Value) -> Result<(), &'static str> {
-    let bs = index.block_size();
+fn stored(bs: usize, data: &Value) -> Result<Option<NormEvent>, &'static str> {
     let blocks = data
         .get("blocks")
         .and_then(Value::as_array)
@@ -122,7 +129,7 @@ fn stored(index: &KvIndex, worker: &WorkerId, data: &Value) -> Result<(), &'stat
         return Err("blocks of one event carry different salts");
     }
     if hashes.is_empty() {
-        return Ok(());
+        return Ok(None);
     }
     let salt = salts.into_iter().next().flatten();
     let root_seed = if lora {
@@ -141,25 +148,39 @@ fn stored(index: &KvIndex, worker: &WorkerId, data: &Value) -> Result<(), &'stat
     } else {
         Medium::Offload
     };
-    index
-        .store(
-            worker,
-            &StoreBlocks {
-                parent,
-                root_seed,
-                engine_hashes: &hashes,
-                tokens: &tokens,
-                medium,
-            },
-        )
-        .map_err(|_| "store refused")?;
-    Ok(())
+    Ok(Some(NormEvent::Stored {
+        parent,
+        root_seed,
+        engine_hashes: hashes,
+        tokens,
+        medium,
+    }))
 }
 
-/// Polls one worker until the task is aborted.
+/// Where a poller's decoded events go.
+pub trait EventSink: Send + Sync {
+    /// Takes one drain's events of `worker`, in order.
+    fn deliver(&self, worker: &WorkerId, events: Vec<NormEvent>);
+}
+
+/// Applies drained events to this replica's index only (no peers).
+pub struct LocalSink(pub Arc<KvIndex>);
+
+impl EventSink for LocalSink {
+    fn deliver(&self, worker: &WorkerId, events: Vec<NormEvent>) {
+        for ev in &events {
+            if let Err(e) = ev.apply(&self.0, worker) {
+                tracing::debug!(%worker, error = %e, "TensorRT-LLM KV event not applied");
+            }
+        }
+    }
+}
+
+/// Polls one worker until the task is aborted; drained events go to `sink`.
 pub async fn poll(
     worker: WorkerId,
-    index: Arc<KvIndex>,
+    block_size: usize,
+    sink: Arc<dyn EventSink>,
     interval: Duration,
     counters: Arc<ApplyCounters>,
     status: Arc<PollStatus>,
@@ -193,17 +214,22 @@ pub async fn poll(
         };
         status.connected.store(true, Ordering::Relaxed);
         status.polls.fetch_add(1, Ordering::Relaxed);
+        let mut normalized = Vec::with_capacity(events.len());
         for ev in &events {
-            match apply_event(&index, &worker, ev) {
-                Ok(()) => {
-                    status.applied.fetch_add(1, Ordering::Relaxed);
-                    counters.applied.fetch_add(1, Ordering::Relaxed);
-                }
+            match normalize(block_size, ev) {
+                Ok(Some(ev)) => normalized.push(ev),
+                Ok(None) => {}
                 Err(why) => {
                     counters.malformed.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!(%worker, why, "dropping TensorRT-LLM KV event");
+                    continue;
                 }
             }
+            status.applied.fetch_add(1, Ordering::Relaxed);
+            counters.applied.fetch_add(1, Ordering::Relaxed);
+        }
+        if !normalized.is_empty() {
+            sink.deliver(&worker, normalized);
         }
     }
 }

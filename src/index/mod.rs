@@ -591,6 +591,107 @@ impl KvIndex {
     }
 }
 
+/// One block of a worker, as a snapshot carries it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExportedBlock {
+    /// The engine's hash of the block.
+    pub engine: EngineBlockHash,
+    /// Its prefix hash (meaningless when `ns` is 0).
+    pub seq: SequenceHash,
+    /// Position + 1 of its namespace seed in the worker's seed list; 0 = unknown namespace.
+    pub ns: u32,
+    /// Tier bits: 1 device, 2 offload.
+    pub tiers: u8,
+}
+
+/// One worker's blocks and namespace seeds, copied at one instant.
+#[derive(Clone, Debug, Default)]
+pub struct WorkerExport {
+    /// The namespace seeds its blocks refer to.
+    pub seeds: Vec<HashSeed>,
+    /// Its blocks.
+    pub blocks: Vec<ExportedBlock>,
+}
+
+impl KvIndex {
+    /// Copies one worker's state (under its write lock, so between two events). The copy is
+    /// 24 bytes per block: bounded by one worker's share, never by the whole index.
+    pub fn export_worker(&self, id: &WorkerId) -> Result<WorkerExport, IndexError> {
+        let entry = self.entry(id)?;
+        let blocks = entry.blocks.lock();
+        let mut out = WorkerExport {
+            seeds: Vec::new(),
+            blocks: Vec::with_capacity(blocks.len()),
+        };
+        let mut positions: HashMap<u32, u32> = HashMap::new();
+        for (engine, e) in blocks.entries() {
+            let ns = match blocks.seed_of(e.ns()) {
+                None => 0,
+                Some(seed) => *positions.entry(e.ns()).or_insert_with(|| {
+                    out.seeds.push(seed);
+                    out.seeds.len() as u32
+                }),
+            };
+            out.blocks.push(ExportedBlock {
+                engine,
+                seq: e.seq(),
+                ns,
+                tiers: e.tiers(),
+            });
+        }
+        Ok(out)
+    }
+
+    /// Adds exported blocks to a registered worker (a snapshot's chunk). Blocks the worker
+    /// already holds and blocks naming a seed outside `seeds` are skipped; returns how many were
+    /// restored. The capacity limit applies as for events.
+    pub fn restore_blocks(
+        &self,
+        id: &WorkerId,
+        seeds: &[HashSeed],
+        run: &[ExportedBlock],
+    ) -> Result<usize, IndexError> {
+        let entry = self.entry(id)?;
+        let mut blocks = entry.blocks.lock();
+        let mut restored = 0;
+        for b in run {
+            let tiers = b.tiers & 0b11;
+            if tiers == 0 || blocks.get_mut(b.engine).is_some() {
+                continue;
+            }
+            if b.ns == 0 {
+                blocks.insert(
+                    b.engine,
+                    BlockEntry::new(SequenceHash(0), UNKNOWN_NS, tiers),
+                );
+                restored += 1;
+                continue;
+            }
+            let Some(&seed) = seeds.get(b.ns as usize - 1) else {
+                self.counters.malformed.fetch_add(1, Ordering::Relaxed);
+                continue;
+            };
+            if self.pairs.load(Ordering::Relaxed) >= self.limits.capacity {
+                self.counters
+                    .rejected_capacity
+                    .fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            let ns = blocks.acquire_namespace(seed, 1);
+            blocks.insert(b.engine, BlockEntry::new(b.seq, ns, tiers));
+            for bit in [0b01, 0b10] {
+                if tiers & bit != 0
+                    && self.holders.insert(b.seq.0, entry.slot, bit) == Inserted::NewPair
+                {
+                    self.pairs.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            restored += 1;
+        }
+        Ok(restored)
+    }
+}
+
 impl KvIndex {
     /// An order-independent digest of everything the index holds (worker, engine hash, prefix
     /// hash, namespace seed, tiers), and the number of blocks. Two replicas that applied the same

@@ -307,6 +307,72 @@ fn digest_is_order_independent_and_sensitive() {
 }
 
 #[test]
+fn export_and_restore_reproduce_the_index_and_its_namespaces() {
+    let t: Vec<u32> = (0..16).collect();
+    let a = KvIndex::new(BS, IndexLimits::default());
+    a.add_worker(w(1));
+    a.add_worker(w(2));
+    let tenant = HashSeed::new(None, Some("tenant"));
+    store(&a, w(1), None, tenant, &[1, 2], &t[..8], Medium::Device);
+    store(&a, w(1), Some(2), tenant, &[3], &t[8..12], Medium::Offload);
+    store(&a, w(1), Some(3), tenant, &[3], &t[8..12], Medium::Device);
+    store(
+        &a,
+        w(2),
+        None,
+        HashSeed::UNSALTED,
+        &[9],
+        &t[..4],
+        Medium::Device,
+    );
+    // A continuation of a parent worker 2 never reported: unknown namespace.
+    store(&a, w(2), Some(77), tenant, &[10], &t[4..8], Medium::Device);
+
+    let b = KvIndex::new(BS, IndexLimits::default());
+    for id in [w(1), w(2)] {
+        b.add_worker(id);
+        let ex = a.export_worker(&id).unwrap();
+        // Restore in two chunks, as a snapshot stream would.
+        let (x, y) = ex.blocks.split_at(ex.blocks.len() / 2);
+        let n = b.restore_blocks(&id, &ex.seeds, x).unwrap()
+            + b.restore_blocks(&id, &ex.seeds, y).unwrap();
+        assert_eq!(n, ex.blocks.len());
+    }
+    assert_eq!(a.digest(), b.digest());
+    let q = seqs(&t, tenant);
+    assert_eq!(sorted(a.query(&q)), sorted(b.query(&q)));
+    assert_eq!(sorted(b.query(&q)), vec![(w(1), 3, 3)]);
+    // A continuation event after the restore inherits the tenant's namespace...
+    for idx in [&a, &b] {
+        store(
+            idx,
+            w(1),
+            Some(3),
+            HashSeed::UNSALTED,
+            &[4],
+            &t[12..16],
+            Medium::Device,
+        );
+    }
+    assert_eq!(a.digest(), b.digest());
+    assert_eq!(sorted(b.query(&q)), vec![(w(1), 4, 4)]);
+    // ...and the unknown one stays uncredited.
+    assert!(
+        b.query(&seqs(&t[..8], HashSeed::UNSALTED))
+            .iter()
+            .all(|o| o.total_blocks <= 1)
+    );
+    // A seed outside the list is refused, not trusted.
+    let bad = ExportedBlock {
+        engine: EngineBlockHash(50),
+        seq: SequenceHash(5),
+        ns: 9,
+        tiers: 1,
+    };
+    assert_eq!(b.restore_blocks(&w(2), &[], &[bad]).unwrap(), 0);
+}
+
+#[test]
 fn tiers_are_tracked_per_block() {
     let idx = KvIndex::new(BS, IndexLimits::default());
     idx.add_worker(w(1));

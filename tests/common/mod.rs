@@ -41,13 +41,22 @@ pub fn require_tool(what: &str) {
     eprintln!("SKIPPING: required test tool missing: {what}");
 }
 
-/// Picks a free loopback port.
+/// Picks a free loopback port, never the same one twice in a test process (the kernel may hand
+/// a just-released ephemeral port out again).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    loop {
+        let p = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut given = GIVEN.lock().unwrap();
+        if !given.contains(&p) {
+            given.push(p);
+            return p;
+        }
+    }
 }
 
 /// A process killed on drop.

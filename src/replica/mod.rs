@@ -1,0 +1,298 @@
+//! Replicas: active-active kv-epp processes that hold the same index.
+//!
+//! - Every replica subscribes to every worker's ZeroMQ stream itself (PUB fans out), so they all
+//!   apply the same ordered events; `/debug/digest` shows they agree.
+//! - A starting replica is not ready until it has copied the index from a ready peer
+//!   ([`snapshot`]): per worker, the blocks and the sequence they reflect; its feeds then resume
+//!   from those sequences (engine replay fills the gap, or the worker goes cold).
+//! - Single-reader sources (TensorRT-LLM's destructive drain) are polled by exactly one ready
+//!   replica, chosen by rendezvous hashing over the ready replicas; it relays the normalized
+//!   events to its peers ([`relay`]), which apply each batch once, in order.
+//! - Peers are found from a static list, DNS, or Kubernetes ([`members`]) and probed with
+//!   `Hello`; the API is token-authenticated and size-limited ([`service`]).
+
+pub mod members;
+pub mod relay;
+pub mod service;
+pub mod snapshot;
+
+/// Generated messages, client and server of `proto/kvepp/replica/v1/replica.proto`.
+pub mod pb {
+    #![allow(missing_docs, clippy::all, clippy::pedantic)]
+    tonic::include_proto!("kvepp.replica.v1");
+}
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use tonic::metadata::MetadataValue;
+
+use crate::config::PeersConfig;
+use crate::events::Feeds;
+use crate::readiness::Readiness;
+use crate::router::Router;
+use crate::worker::WorkerId;
+use members::Members;
+use relay::RelayHub;
+
+/// Readiness condition name of the bootstrap.
+pub const BOOTSTRAP: &str = "bootstrap";
+
+/// Counters of the replica machinery, for `/debug/replica` and metrics.
+#[derive(Debug, Default)]
+pub struct ReplicaCounters {
+    /// Snapshots served to peers.
+    pub snapshots_served: AtomicU64,
+    /// Block entries restored from a peer's snapshot.
+    pub blocks_restored: AtomicU64,
+    /// Peer calls refused for a missing or wrong token.
+    pub unauthenticated: AtomicU64,
+}
+
+/// This replica's side of replication.
+pub struct ReplicaState {
+    /// Random per process.
+    pub instance: u64,
+    /// The index is complete: bootstrapped, or started empty on purpose.
+    ready: AtomicBool,
+    /// The router whose indexes are replicated.
+    pub router: Arc<Router>,
+    /// The event feeds.
+    pub feeds: Arc<Feeds>,
+    /// Settings.
+    pub config: PeersConfig,
+    /// `Bearer <token>`, when a token is configured.
+    token: Option<MetadataValue<tonic::metadata::Ascii>>,
+    /// Known peers.
+    pub members: Members,
+    /// The relay of single-reader sources.
+    pub hub: Arc<RelayHub>,
+    /// Counters.
+    pub counters: ReplicaCounters,
+    readiness: Readiness,
+    started: Instant,
+}
+
+impl ReplicaState {
+    /// New replica state. `token`: the shared peer token, if any. Call before any feed starts:
+    /// it holds feeds back until the bootstrap and leaves single-reader sources to their owner.
+    pub fn new(
+        router: Arc<Router>,
+        feeds: Arc<Feeds>,
+        config: PeersConfig,
+        token: Option<String>,
+        readiness: Readiness,
+    ) -> Result<Arc<ReplicaState>, String> {
+        let instance = loop {
+            let i: u64 = rand::random();
+            if i != 0 {
+                break i;
+            }
+        };
+        let token = match token {
+            Some(t) if !t.trim().is_empty() => Some(
+                format!("Bearer {}", t.trim())
+                    .parse()
+                    .map_err(|_| "the peer token must be printable ASCII".to_string())?,
+            ),
+            _ => {
+                tracing::warn!(
+                    "no peer token configured: the peer API accepts unauthenticated calls"
+                );
+                None
+            }
+        };
+        readiness.set(BOOTSTRAP, false, "copying the index from a peer");
+        feeds.hold();
+        feeds.set_owned_elsewhere();
+        let hub = Arc::new(RelayHub::new(
+            instance,
+            router.clone(),
+            config.relay_log_batches,
+        ));
+        Ok(Arc::new(ReplicaState {
+            instance,
+            ready: AtomicBool::new(false),
+            router,
+            feeds,
+            members: Members::new(instance, &config),
+            config,
+            token,
+            hub,
+            counters: ReplicaCounters::default(),
+            readiness,
+            started: Instant::now(),
+        }))
+    }
+
+    /// Whether this replica's index is complete.
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Acquire)
+    }
+
+    fn set_ready(&self) {
+        self.ready.store(true, Ordering::Release);
+        self.readiness.set(BOOTSTRAP, true, "");
+    }
+
+    /// The metadata value peers must present, if a token is configured.
+    pub fn token(&self) -> Option<&MetadataValue<tonic::metadata::Ascii>> {
+        self.token.as_ref()
+    }
+
+    /// The probe interval.
+    pub fn probe_interval(&self) -> Duration {
+        Duration::from_millis(self.config.probe_interval_ms)
+    }
+
+    /// The replica that owns a single-reader source: the highest rendezvous weight among the
+    /// ready replicas (this one included when ready). `None` when no replica is ready.
+    pub fn owner_of(&self, worker: &WorkerId) -> Option<u64> {
+        let mut ready = self.members.ready_instances();
+        if self.is_ready() {
+            ready.push(self.instance);
+        }
+        ready
+            .into_iter()
+            .max_by_key(|&i| (rendezvous(i, worker), i))
+    }
+}
+
+/// Rendezvous weight of a replica for a worker.
+pub fn rendezvous(instance: u64, worker: &WorkerId) -> u64 {
+    let mut buf = [0u8; 30];
+    buf[..8].copy_from_slice(&instance.to_le_bytes());
+    buf[8..].copy_from_slice(&worker.key_bytes());
+    xxhash_rust::xxh3::xxh3_64(&buf)
+}
+
+/// Starts replication: holds feeds back, serves the peer API on `listener`, probes peers,
+/// bootstraps, then relays and polls owned single-reader sources. Tasks end when `stop` fires.
+pub fn start(
+    state: Arc<ReplicaState>,
+    listener: tokio::net::TcpListener,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    vec![
+        tokio::spawn(service::serve(state.clone(), listener, stop.clone())),
+        tokio::spawn(until_stopped(
+            members::probe_loop(state.clone()),
+            stop.clone(),
+        )),
+        tokio::spawn(until_stopped(run(state), stop)),
+    ]
+}
+
+async fn until_stopped(
+    f: impl std::future::Future<Output = ()>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    tokio::select! {
+        _ = f => {}
+        _ = stop.wait_for(|s| *s) => {}
+    }
+}
+
+/// Bootstraps, then keeps ownership and relay subscriptions current.
+async fn run(state: Arc<ReplicaState>) {
+    bootstrap(&state).await;
+    relay::maintain(state).await;
+}
+
+/// Copies the index from a ready peer, or decides to start empty; releases the feeds either way.
+async fn bootstrap(state: &Arc<ReplicaState>) {
+    let deadline = state.started + Duration::from_millis(state.config.bootstrap_timeout_ms);
+    let interval = state.probe_interval();
+    // Give discovery and the first probes a moment before concluding there is nobody.
+    let settle = state.started + interval * 4;
+    loop {
+        let view = state.members.view();
+        for peer in view.iter().filter(|p| p.ready) {
+            match snapshot::fetch(state, peer.addr).await {
+                Ok(done) => {
+                    tracing::info!(
+                        peer = %peer.addr,
+                        workers = done.workers,
+                        blocks = done.blocks,
+                        "bootstrapped the index from a peer"
+                    );
+                    state.hub.set_positions(&done.relay_positions);
+                    state.feeds.release(&done.next_seqs);
+                    state.set_ready();
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(peer = %peer.addr, error = %e, "bootstrap from peer failed");
+                }
+            }
+        }
+        let now = Instant::now();
+        let reachable: Vec<u64> = view.iter().map(|p| p.instance).collect();
+        let why = if now >= deadline {
+            Some("no ready peer before peers.bootstrap_timeout_ms; starting with an empty index")
+        } else if now >= settle && reachable.is_empty() && view_settled(state) {
+            Some("no peer reachable: first replica, starting with an empty index")
+        } else if now >= settle
+            && !reachable.is_empty()
+            && reachable.iter().all(|&i| state.instance < i)
+        {
+            Some("no peer is ready yet and this replica is first among them: starting empty")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            if now >= deadline {
+                tracing::warn!("{why}");
+            } else {
+                tracing::info!("{why}");
+            }
+            state.feeds.release(&HashMap::new());
+            state.set_ready();
+            return;
+        }
+        tokio::time::sleep(interval).await;
+    }
+}
+
+/// Whether discovery has had at least one complete round.
+fn view_settled(state: &ReplicaState) -> bool {
+    state.members.rounds() >= 2
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rendezvous_moves_only_the_lost_replicas_workers() {
+        let workers: Vec<WorkerId> = (0..200)
+            .map(|i| {
+                WorkerId::new(
+                    format!("10.0.{}.{}:8000", i / 250, i % 250)
+                        .parse()
+                        .unwrap(),
+                )
+            })
+            .collect();
+        let owner = |set: &[u64], w: &WorkerId| {
+            *set.iter().max_by_key(|&&i| (rendezvous(i, w), i)).unwrap()
+        };
+        let three = [11u64, 22, 33];
+        let two = [11u64, 33];
+        let mut per = HashMap::new();
+        for w in &workers {
+            let before = owner(&three, w);
+            *per.entry(before).or_insert(0) += 1;
+            let after = owner(&two, w);
+            if before != 22 {
+                assert_eq!(before, after, "a surviving owner keeps its workers");
+            } else {
+                assert_ne!(after, 22);
+            }
+        }
+        // Spread: every replica owns a fair share.
+        assert!(per.values().all(|&n| n > 40), "{per:?}");
+    }
+}

@@ -1,0 +1,163 @@
+//! The peer API server: `Hello`, `Snapshot`, `Relay`, behind the shared token and message size
+//! limits.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::{Request, Response, Status};
+
+use super::ReplicaState;
+use super::pb;
+use super::pb::replica_server::{Replica, ReplicaServer};
+
+/// Relayed batches sent per read of the log.
+const RELAY_READ: usize = 64;
+/// A relay stream with nothing new sends a keepalive this often.
+const KEEPALIVE: Duration = Duration::from_secs(1);
+
+struct Service {
+    state: Arc<ReplicaState>,
+}
+
+type Stream<T> = Pin<Box<dyn tokio_stream::Stream<Item = Result<T, Status>> + Send>>;
+
+impl Service {
+    fn authorize<T>(&self, req: &Request<T>) -> Result<(), Status> {
+        let Some(want) = self.state.token() else {
+            return Ok(());
+        };
+        let ok = req
+            .metadata()
+            .get("authorization")
+            .is_some_and(|got| constant_time_eq(got.as_bytes(), want.as_bytes()));
+        if ok {
+            Ok(())
+        } else {
+            self.state
+                .counters
+                .unauthenticated
+                .fetch_add(1, Ordering::Relaxed);
+            Err(Status::unauthenticated("missing or wrong peer token"))
+        }
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[tonic::async_trait]
+impl Replica for Service {
+    async fn hello(
+        &self,
+        req: Request<pb::HelloRequest>,
+    ) -> Result<Response<pb::HelloReply>, Status> {
+        self.authorize(&req)?;
+        Ok(Response::new(pb::HelloReply {
+            instance: self.state.instance,
+            ready: self.state.is_ready(),
+            advertise: String::new(),
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+        }))
+    }
+
+    type SnapshotStream = Stream<pb::SnapshotChunk>;
+
+    async fn snapshot(
+        &self,
+        req: Request<pb::SnapshotRequest>,
+    ) -> Result<Response<Self::SnapshotStream>, Status> {
+        self.authorize(&req)?;
+        if !self.state.is_ready() {
+            return Err(Status::unavailable(
+                "this replica is bootstrapping itself; ask a ready peer",
+            ));
+        }
+        let ours = self.state.config.snapshot_chunk_blocks as usize;
+        let asked = req.into_inner().max_blocks_per_chunk as usize;
+        let chunk = if asked == 0 { ours } else { asked.min(ours) };
+        let rx = super::snapshot::serve(self.state.clone(), chunk);
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    type RelayStream = Stream<pb::RelayBatch>;
+
+    async fn relay(
+        &self,
+        req: Request<pb::RelayRequest>,
+    ) -> Result<Response<Self::RelayStream>, Status> {
+        self.authorize(&req)?;
+        let r = req.into_inner();
+        let hub = self.state.hub.clone();
+        let instance = self.state.instance;
+        // Another instance's position means nothing here: start at the oldest batch kept.
+        let mut next = if r.origin == instance { r.from_seq } else { 0 };
+        let (tx, rx) = mpsc::channel(RELAY_READ);
+        let mut tail: watch::Receiver<u64> = hub.watch_tail();
+        tokio::spawn(async move {
+            let mut reset = false;
+            loop {
+                tail.borrow_and_update();
+                let (batches, oldest) = hub.read_from(next, RELAY_READ);
+                // The log no longer has what the caller wants (or the caller claims a position
+                // this instance never reached): its state of what came before is unknown.
+                if next < oldest || next > hub.next_seq() {
+                    next = oldest;
+                    reset = true;
+                    continue;
+                }
+                for b in &batches {
+                    let mut b = (**b).clone();
+                    b.reset = std::mem::take(&mut reset);
+                    next = b.seq + 1;
+                    if tx.send(Ok(b)).await.is_err() {
+                        return;
+                    }
+                }
+                if !batches.is_empty() {
+                    continue;
+                }
+                tokio::select! {
+                    r = tail.changed() => if r.is_err() { return },
+                    _ = tokio::time::sleep(KEEPALIVE) => {
+                        let k = pb::RelayBatch { keepalive: true, origin: instance, ..Default::default() };
+                        if tx.send(Ok(k)).await.is_err() { return; }
+                    }
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+/// Serves the peer API until `stop` fires.
+pub async fn serve(
+    state: Arc<ReplicaState>,
+    listener: tokio::net::TcpListener,
+    mut stop: watch::Receiver<bool>,
+) {
+    let max = state.config.max_message_bytes;
+    let svc = ReplicaServer::new(Service {
+        state: state.clone(),
+    })
+    .max_decoding_message_size(max)
+    .max_encoding_message_size(max);
+    let done = async move {
+        let _ = stop.wait_for(|s| *s).await;
+    };
+    if let Err(e) = tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .add_service(svc)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), done)
+        .await
+    {
+        tracing::error!(error = %e, "peer API server stopped");
+    }
+}

@@ -1,0 +1,809 @@
+//! Replicas as separate `kv-epp serve` processes on loopback, with real sockets throughout:
+//! simulated vLLM workers publish over ZeroMQ to every replica; replicas find each other from a
+//! static list, authenticate with a shared token, bootstrap from a peer, and relay TensorRT-LLM
+//! drains. Checked from outside: `/debug/digest`, `/query` against what each worker really holds,
+//! `/debug/replica`, and ext_proc decisions.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::http;
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    HttpBody, HttpHeaders, ProcessingRequest, ProtocolConfiguration, processing_request::Request,
+    processing_response::Response,
+};
+use kv_epp::engine_salt;
+use kv_epp::salt::{CacheSalt, SaltSource};
+use kv_epp::sim::api::Served;
+use kv_epp::sim::engine::EngineConfig;
+use kv_epp::sim::events::{BatchEncoder, EventLayout, HashForm};
+use kv_epp::sim::latency::LatencyModel;
+use kv_epp::sim::prefix_cache::CacheRequest;
+use kv_epp::sim::publisher::PublisherConfig;
+use kv_epp::sim::server::{SimWorker, SimWorkerConfig, start};
+use kv_epp::workload::{GeneratorSpec, generate};
+use serde_json::{Value, json};
+use tokio::net::{TcpListener, TcpStream};
+
+const BS: usize = 16;
+const TOKEN: &str = "s3cret-peer-token";
+
+async fn sim(drop: f64, seed: u64) -> SimWorker {
+    start(
+        SimWorkerConfig {
+            http_addr: "127.0.0.1:0".parse().unwrap(),
+            served: Served {
+                model: "m".into(),
+                lora_modules: vec![],
+            },
+            engine: EngineConfig {
+                num_blocks: 400,
+                block_size: BS,
+                max_num_seqs: 64,
+                latency: LatencyModel {
+                    base_us: 0,
+                    prefill_us_per_token: 0.0,
+                    decode_us_per_token: 0,
+                },
+            },
+            publisher: PublisherConfig {
+                events_endpoint: format!("tcp://127.0.0.1:{}", common::free_port()),
+                replay_endpoint: Some(format!("tcp://127.0.0.1:{}", common::free_port())),
+                topic: String::new(),
+                buffer_steps: 10_000,
+                drop_fraction: drop,
+                fault_seed: seed,
+                encoder: BatchEncoder {
+                    layout: EventLayout::Map,
+                    hash_form: HashForm::Int,
+                    block_size: BS,
+                    lora_modules: vec![],
+                    data_parallel_rank: None,
+                },
+            },
+        },
+        None,
+    )
+    .await
+    .unwrap()
+}
+
+/// A TCP relay that can cut its connections and refuse new ones for a while: one replica's
+/// path to one worker's event stream.
+struct Cutter {
+    addr: SocketAddr,
+    cut: Arc<AtomicBool>,
+    conns: Arc<Mutex<Vec<tokio::task::JoinHandle<()>>>>,
+}
+
+impl Cutter {
+    async fn start(target: String) -> Cutter {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let cut = Arc::new(AtomicBool::new(false));
+        let conns: Arc<Mutex<Vec<tokio::task::JoinHandle<()>>>> = Arc::default();
+        let target = target.trim_start_matches("tcp://").to_owned();
+        let (c2, k2) = (cut.clone(), conns.clone());
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut inbound, _)) = l.accept().await else {
+                    return;
+                };
+                if c2.load(Ordering::SeqCst) {
+                    drop(inbound);
+                    continue;
+                }
+                let target = target.clone();
+                k2.lock().unwrap().push(tokio::spawn(async move {
+                    if let Ok(mut out) = TcpStream::connect(&target).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut out).await;
+                    }
+                }));
+            }
+        });
+        Cutter { addr, cut, conns }
+    }
+
+    fn set_cut(&self, cut: bool) {
+        self.cut.store(cut, Ordering::SeqCst);
+        if cut {
+            for c in self.conns.lock().unwrap().drain(..) {
+                c.abort();
+            }
+        }
+    }
+}
+
+/// One `kv-epp serve` process.
+struct Replica {
+    name: String,
+    child: Option<Child>,
+    config: PathBuf,
+    admin: SocketAddr,
+    grpc: SocketAddr,
+    peer: SocketAddr,
+    log: PathBuf,
+}
+
+struct Ports {
+    grpc: u16,
+    health: u16,
+    metrics: u16,
+    admin: u16,
+    peer: u16,
+}
+
+fn ports() -> Ports {
+    Ports {
+        grpc: common::free_port(),
+        health: common::free_port(),
+        metrics: common::free_port(),
+        admin: common::free_port(),
+        peer: common::free_port(),
+    }
+}
+
+fn dir() -> PathBuf {
+    let d = std::env::temp_dir().join(format!("kv-epp-replicas-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+impl Replica {
+    fn spawn(name: &str, p: &Ports, body: &str, peers: &[u16]) -> Replica {
+        let d = dir();
+        let token = d.join("token");
+        std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
+        let peer_list: Vec<String> = peers.iter().map(|p| format!("'127.0.0.1:{p}'")).collect();
+        let yaml = format!(
+            "server: {{bind_address: 127.0.0.1, grpc_port: {}, grpc_health_port: {}, metrics_port: {}, admin_port: {}}}\n\
+             engine_metrics: {{interval_ms: 0}}\n\
+             peers: {{static_peers: [{}], port: {}, token_file: '{}', probe_interval_ms: 200, bootstrap_timeout_ms: 30000, snapshot_chunk_blocks: 64}}\n\
+             models: [{{name: m, block_size: {BS}}}]\n{body}",
+            p.grpc,
+            p.health,
+            p.metrics,
+            p.admin,
+            peer_list.join(", "),
+            p.peer,
+            token.display()
+        );
+        let config = d.join(format!("{name}.yaml"));
+        std::fs::write(&config, yaml).unwrap();
+        let mut r = Replica {
+            name: name.into(),
+            child: None,
+            config,
+            admin: format!("127.0.0.1:{}", p.admin).parse().unwrap(),
+            grpc: format!("127.0.0.1:{}", p.grpc).parse().unwrap(),
+            peer: format!("127.0.0.1:{}", p.peer).parse().unwrap(),
+            log: d.join(format!("{name}.log")),
+        };
+        r.restart();
+        r
+    }
+
+    fn restart(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_kv-epp"))
+            .args(["serve", "--config-file"])
+            .arg(&self.config)
+            .env("KV_EPP_LOG", "info,kv_epp=debug")
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn log_tail(&self) -> String {
+        let s = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = s.lines().collect();
+        lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+
+    async fn get(&self, path: &str) -> Option<Value> {
+        let r = http(self.admin, "GET", path, &[], b"").await.ok()?;
+        (r.status == 200).then(|| serde_json::from_slice(&r.body).ok())?
+    }
+
+    async fn status(&self) -> Option<Value> {
+        self.get("/debug/replica").await
+    }
+
+    async fn digest(&self) -> Option<(String, u64)> {
+        let v = self.get("/debug/digest").await?;
+        Some((
+            v["models"]["m"]["digest"].as_str()?.to_owned(),
+            v["models"]["m"]["blocks"].as_u64()?,
+        ))
+    }
+
+    async fn wait_ready(&self, secs: u64) {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            if let Some(s) = self.status().await
+                && s["ready"] == true
+            {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "replica {} not ready in {secs}s:\n{}",
+                self.name,
+                self.log_tail()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn counter(&self, name: &str) -> u64 {
+        self.status().await.unwrap()["counters"][name]
+            .as_u64()
+            .unwrap()
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Waits until every replica reports the same digest twice in a row, with `min_blocks` or more.
+async fn converge(replicas: &[&Replica], min_blocks: u64, secs: u64) -> (String, u64) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    let mut last: Option<(String, u64)> = None;
+    loop {
+        let mut ds = Vec::new();
+        for r in replicas {
+            ds.push(r.digest().await);
+        }
+        let first = ds[0].clone();
+        let same = first.is_some() && ds.iter().all(|d| *d == first);
+        if same && first.as_ref().unwrap().1 >= min_blocks {
+            if last == first {
+                return first.unwrap();
+            }
+            last = first;
+        } else {
+            last = None;
+        }
+        if Instant::now() > deadline {
+            let names: Vec<&str> = replicas.iter().map(|r| r.name.as_str()).collect();
+            panic!("digests did not converge: {names:?} {ds:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(400)).await;
+    }
+}
+
+fn fwd(tenant: &str) -> String {
+    engine_salt::forwarded(&CacheSalt::new(tenant, SaltSource::Body).unwrap().unwrap())
+}
+
+async fn send(w: &SimWorker, tokens: &[u32], tenant: &str) {
+    let body = json!({"model": "m", "prompt": tokens, "max_tokens": 1, "cache_salt": fwd(tenant)});
+    let r = http(
+        w.http_addr,
+        "POST",
+        "/v1/completions",
+        &[("content-type", "application/json")],
+        body.to_string().as_bytes(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+}
+
+/// A replica's overlap for (prompt, tenant) on worker `w`, in tokens.
+async fn believed(r: &Replica, w: &SimWorker, tokens: &[u32], tenant: &str) -> u64 {
+    let resp = http(
+        r.admin,
+        "POST",
+        "/query",
+        &[("x-tenant-id", tenant)],
+        json!({"model": "m", "token_ids": tokens})
+            .to_string()
+            .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let v: Value = serde_json::from_slice(&resp.body).unwrap();
+    v["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["worker"] == w.http_addr.to_string())
+        .map_or(0, |i| i["overlap_tokens"].as_u64().unwrap())
+}
+
+fn truth(w: &SimWorker, tokens: &[u32], tenant: &str) -> u64 {
+    let salt = fwd(tenant);
+    w.engine.peek_cached_tokens(&CacheRequest {
+        tokens,
+        salt: Some(&salt),
+        lora_name: None,
+    }) as u64
+}
+
+/// Every replica credits exactly what each worker holds, for every probe.
+async fn matches_workers(
+    replicas: &[&Replica],
+    workers: &[&SimWorker],
+    probes: &[(Vec<u32>, String)],
+) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut mismatch = None;
+        'outer: for r in replicas {
+            for w in workers {
+                for (tokens, tenant) in probes {
+                    let (b, t) = (
+                        believed(r, w, tokens, tenant).await,
+                        truth(w, tokens, tenant),
+                    );
+                    assert!(
+                        b <= t,
+                        "replica {} credits worker {} with {b} tokens it does not hold ({t})",
+                        r.name,
+                        w.http_addr
+                    );
+                    if b != t {
+                        mismatch = Some(format!("replica {}: {b} vs {t}", r.name));
+                        break 'outer;
+                    }
+                }
+            }
+        }
+        match mismatch {
+            None => return,
+            Some(m) if Instant::now() > deadline => panic!("{m}"),
+            Some(_) => tokio::time::sleep(Duration::from_millis(300)).await,
+        }
+    }
+}
+
+/// The destination kv-epp's ext_proc picks for a completion request (BUFFERED body).
+async fn decision(r: &Replica, tokens: &[u32], tenant: &str) -> String {
+    let mut client = ExternalProcessorClient::connect(format!("http://{}", r.grpc))
+        .await
+        .unwrap();
+    let header = |k: &str, v: &str| HeaderValue {
+        key: k.into(),
+        value: String::new(),
+        raw_value: v.as_bytes().to_vec(),
+    };
+    let body = json!({"model": "m", "prompt": tokens, "max_tokens": 1}).to_string();
+    let msgs = vec![
+        ProcessingRequest {
+            protocol_config: Some(ProtocolConfiguration {
+                request_body_mode: 2,
+                response_body_mode: 0,
+                ..Default::default()
+            }),
+            request: Some(Request::RequestHeaders(HttpHeaders {
+                headers: Some(HeaderMap {
+                    headers: vec![
+                        header(":method", "POST"),
+                        header(":path", "/v1/completions"),
+                        header("content-type", "application/json"),
+                        header("x-tenant-id", tenant),
+                    ],
+                }),
+                end_of_stream: false,
+                ..Default::default()
+            })),
+            ..Default::default()
+        },
+        ProcessingRequest {
+            request: Some(Request::RequestBody(HttpBody {
+                body: body.into_bytes(),
+                end_of_stream: true,
+                ..Default::default()
+            })),
+            ..Default::default()
+        },
+    ];
+    let mut stream = client
+        .process(tokio_stream::iter(msgs))
+        .await
+        .unwrap()
+        .into_inner();
+    while let Some(resp) = stream.message().await.unwrap() {
+        let common = match &resp.response {
+            Some(Response::RequestHeaders(h)) => h.response.clone(),
+            Some(Response::RequestBody(b)) => b.response.clone(),
+            Some(other) => panic!("unexpected response {other:?}"),
+            None => None,
+        };
+        if let Some(hm) = common.and_then(|c| c.header_mutation) {
+            for h in hm.set_headers {
+                let hv = h.header.unwrap();
+                if hv.key == "x-gateway-destination-endpoint" {
+                    return String::from_utf8(hv.raw_value).unwrap();
+                }
+            }
+        }
+    }
+    panic!("no decision from {}", r.name)
+}
+
+fn workers_yaml(workers: &[(&SimWorker, String)]) -> String {
+    let list: Vec<String> = workers
+        .iter()
+        .map(|(w, events)| {
+            format!(
+                "{{endpoint: '{}', model: m, events_endpoint: '{events}', replay_endpoint: '{}'}}",
+                w.http_addr,
+                w.events.replay_endpoint.as_ref().unwrap()
+            )
+        })
+        .collect();
+    format!("workers: [{}]\n", list.join(", "))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_converge_bootstrap_from_a_peer_and_survive_faults() {
+    let ws = [
+        sim(0.0, 1).await,
+        sim(0.2, 2).await,
+        sim(0.0, 3).await,
+        sim(0.0, 4).await,
+    ];
+    // Replica C reaches worker 3 through a relay the test can cut.
+    let cutter = Cutter::start(ws[3].events.events_endpoint.clone()).await;
+    let direct: Vec<(&SimWorker, String)> = ws
+        .iter()
+        .map(|w| (w, w.events.events_endpoint.clone()))
+        .collect();
+    let mut via_cutter = direct.clone();
+    via_cutter[3].1 = format!("tcp://{}", cutter.addr);
+
+    let ps = [ports(), ports(), ports(), ports()];
+    let peer_ports: Vec<u16> = ps.iter().map(|p| p.peer).collect();
+    let mut a = Replica::spawn("a", &ps[0], &workers_yaml(&direct), &peer_ports);
+    let mut b = Replica::spawn("b", &ps[1], &workers_yaml(&direct), &peer_ports);
+    let c = Replica::spawn("c", &ps[2], &workers_yaml(&via_cutter), &peer_ports);
+    for r in [&a, &b, &c] {
+        r.wait_ready(30).await;
+    }
+    let _ = &mut a;
+
+    let work = generate(&GeneratorSpec {
+        tenants: 4,
+        shared_prompt_tenants: 2,
+        sessions_per_tenant: 3,
+        turns: 3,
+        system_prompt_tokens: 256,
+        user_tokens: 48,
+        output_tokens: 8,
+        ..GeneratorSpec::default()
+    });
+    let (first, second) = work.split_at(work.len() / 2);
+    let mut probes = Vec::new();
+    for (i, req) in first.iter().enumerate() {
+        let tenant = req.tenant.clone().unwrap();
+        send(&ws[i % 4], &req.tokens, &tenant).await;
+        probes.push((req.tokens.clone(), tenant));
+    }
+    let (digest, blocks) = converge(&[&a, &b, &c], 1, 30).await;
+    assert!(blocks > 50, "the workload stored blocks: {blocks}");
+    let all: Vec<&SimWorker> = ws.iter().collect();
+    matches_workers(&[&a, &b, &c], &all, &probes).await;
+
+    // A replica started last bootstraps from a peer and agrees at once (no new events).
+    let d = Replica::spawn("d", &ps[3], &workers_yaml(&direct), &peer_ports);
+    d.wait_ready(30).await;
+    assert!(
+        d.counter("blocks_restored").await > 0,
+        "d restored from a snapshot"
+    );
+    assert_eq!(
+        d.digest().await.unwrap(),
+        (digest, blocks),
+        "d equals its peers"
+    );
+
+    // Faults while the second half runs: b killed and restarted, worker 2 restarted, c cut off
+    // from worker 3 for a while (worker 1 drops 20% of its batches throughout).
+    for (i, req) in second.iter().enumerate() {
+        let tenant = req.tenant.clone().unwrap();
+        if i == 2 {
+            b.kill();
+            cutter.set_cut(true);
+        }
+        if i == second.len() / 2 {
+            let r = http(ws[2].http_addr, "POST", "/admin/restart", &[], b"")
+                .await
+                .unwrap();
+            assert!(r.status < 300);
+            b.restart();
+        }
+        if i == second.len() * 3 / 4 {
+            cutter.set_cut(false);
+        }
+        send(&ws[i % 4], &req.tokens, &tenant).await;
+        probes.push((req.tokens.clone(), tenant));
+    }
+    b.wait_ready(30).await;
+    // Fresh traffic on every worker after the faults, so every feed sees its stream move on.
+    for (i, w) in ws.iter().enumerate() {
+        let t: Vec<u32> = (0..64).map(|k| 50_000 + i as u32 * 100 + k).collect();
+        send(w, &t, "tenant-late").await;
+        probes.push((t, "tenant-late".into()));
+    }
+    let (_, blocks) = converge(&[&a, &b, &c, &d], 1, 60).await;
+    assert!(blocks > 0);
+    matches_workers(&[&a, &b, &c, &d], &all, &probes).await;
+    // The faults happened: c lost worker 3's stream and filled the gap by replay; worker 2's
+    // restart was seen (sequence down) by the replicas that were running throughout.
+    let feed = |v: &Value, w: &SimWorker| {
+        v["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["worker"] == w.http_addr.to_string())
+            .unwrap()["events"]
+            .clone()
+    };
+    let cw = c.get("/workers").await.unwrap();
+    let f3 = feed(&cw, &ws[3]);
+    assert!(
+        f3["gaps"].as_u64().unwrap() >= 1 && f3["replayed"] == f3["gaps"],
+        "c: {f3}"
+    );
+    for r in [&a, &c, &d] {
+        let f2 = feed(&r.get("/workers").await.unwrap(), &ws[2]);
+        assert!(f2["restarts"].as_u64().unwrap() >= 1, "{}: {f2}", r.name);
+    }
+
+    // The same request gets the same decision from every replica.
+    for (tokens, tenant) in probes.iter().step_by(3) {
+        let want = decision(&a, tokens, tenant).await;
+        for r in [&b, &c, &d] {
+            assert_eq!(
+                decision(r, tokens, tenant).await,
+                want,
+                "replica {} decides alike",
+                r.name
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_peer_api_refuses_a_wrong_token() {
+    use kv_epp::replica::pb;
+    let p = ports();
+    let r = Replica::spawn("auth", &p, "workers: []\n", &[p.peer]);
+    r.wait_ready(30).await;
+    let mut client = pb::replica_client::ReplicaClient::connect(format!("http://{}", r.peer))
+        .await
+        .unwrap();
+    let err = client
+        .hello(pb::HelloRequest { from_instance: 1 })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unauthenticated);
+    let mut req = tonic::Request::new(pb::SnapshotRequest::default());
+    req.metadata_mut()
+        .insert("authorization", "Bearer wrong".parse().unwrap());
+    assert_eq!(
+        client.snapshot(req).await.unwrap_err().code(),
+        tonic::Code::Unauthenticated
+    );
+    let mut req = tonic::Request::new(pb::HelloRequest { from_instance: 1 });
+    req.metadata_mut()
+        .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
+    assert!(client.hello(req).await.unwrap().into_inner().ready);
+    assert!(r.counter("unauthenticated").await >= 2);
+}
+
+/// A TensorRT-LLM-style engine: `POST /kv_cache_events` returns every queued event and forgets
+/// them (a destructive read).
+#[derive(Clone, Default)]
+struct DrainEngine {
+    queue: Arc<Mutex<Vec<Value>>>,
+}
+
+impl DrainEngine {
+    async fn start(&self) -> SocketAddr {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let q = self.queue.clone();
+        let app = axum::Router::new().route(
+            "/kv_cache_events",
+            axum::routing::post(move || {
+                let q = q.clone();
+                async move {
+                    let drained: Vec<Value> = std::mem::take(&mut *q.lock().unwrap());
+                    Value::Array(drained).to_string()
+                }
+            }),
+        );
+        tokio::spawn(async move {
+            let _ = axum::serve(l, app).await;
+        });
+        addr
+    }
+
+    fn push(&self, ev: Value) {
+        self.queue.lock().unwrap().push(ev);
+    }
+
+    fn is_drained(&self) -> bool {
+        self.queue.lock().unwrap().is_empty()
+    }
+}
+
+/// A stored event of a fresh two-block sequence (hashes `h`, `h + 1`) under `tenant`.
+fn trt_stored(h: u64, tenant: &str) -> Value {
+    let block = |hash: u64| {
+        let toks: Vec<Value> = (0..BS as u64)
+            .map(|k| json!({"token_id": (hash * 31 + k) % 50_000, "token_extra_id": 0}))
+            .collect();
+        json!({"type": "stored_block", "block_hash": hash, "tokens": toks, "lora_id": null, "cache_level": 0, "priority": 35, "cache_salt": fwd(tenant)})
+    };
+    json!({"event_id": h, "data": {"type": "stored", "parent_hash": null, "blocks": [block(h), block(h + 1)]}})
+}
+
+fn trt_removed(h: u64) -> Value {
+    json!({"event_id": h, "data": {"type": "removed", "block_hashes": [h + 1]}})
+}
+
+/// Queues eight stored events (every fourth followed by a removal of its second block) over
+/// both engines; returns the blocks they leave.
+fn round(engines: &[DrainEngine; 2], next: &mut u64) -> u64 {
+    let mut blocks = 0;
+    for i in 0..8 {
+        let e = &engines[i % 2];
+        e.push(trt_stored(*next, &format!("tenant-{}", i % 3)));
+        blocks += 2;
+        if i % 4 == 3 {
+            e.push(trt_removed(*next));
+            blocks -= 1;
+        }
+        *next += 10;
+    }
+    blocks
+}
+
+fn refs(rs: &[Replica]) -> Vec<&Replica> {
+    rs.iter().collect()
+}
+
+/// Which replica polls `worker` (exactly one must).
+async fn poller_of(replicas: &[&Replica], worker: SocketAddr) -> Vec<String> {
+    let mut out = Vec::new();
+    for r in replicas {
+        let s = r.status().await.unwrap();
+        for src in s["single_reader_sources"].as_array().unwrap() {
+            if src["worker"] == worker.to_string() && src["polling"] == true {
+                out.push(r.name.clone());
+            }
+        }
+    }
+    out
+}
+
+/// Each replica applied every relayed batch exactly once: its own plus those applied from
+/// peers equal all batches originated (`total`).
+async fn exactly_once(replicas: &[&Replica], total: u64) {
+    for r in replicas {
+        let own = r.counter("relay_originated").await;
+        let applied = r.counter("relay_applied").await;
+        assert_eq!(
+            own + applied,
+            total,
+            "replica {} applied {applied} relayed + {own} own batches of {total}",
+            r.name
+        );
+        assert_eq!(r.counter("relay_resets").await, 0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_reader_sources_are_polled_once_relayed_once_and_fail_over() {
+    let engines = [DrainEngine::default(), DrainEngine::default()];
+    let addrs = [engines[0].start().await, engines[1].start().await];
+    let body = format!(
+        "events: {{engine: trtllm, trtllm: {{poll_interval_ms: 50}}}}\nworkers: [{{endpoint: '{}', model: m}}, {{endpoint: '{}', model: m}}]\n",
+        addrs[0], addrs[1]
+    );
+    let ps = [ports(), ports(), ports()];
+    let peer_ports: Vec<u16> = ps.iter().map(|p| p.peer).collect();
+    let mut rs: Vec<Replica> = ["p", "q", "r"]
+        .iter()
+        .zip(&ps)
+        .map(|(n, p)| Replica::spawn(n, p, &body, &peer_ports))
+        .collect();
+    for r in &rs {
+        r.wait_ready(30).await;
+    }
+    // Each source gets exactly one poller once ownership settles.
+    for a in addrs {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while poller_of(&refs(&rs), a).await.len() != 1 {
+            assert!(Instant::now() < deadline, "one poller for {a}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    let mut next = 1_000u64;
+    let mut want = 0u64;
+    for _ in 0..5 {
+        want += round(&engines, &mut next);
+        tokio::time::sleep(Duration::from_millis(120)).await;
+    }
+    assert!(common::eventually(10, || engines.iter().all(|e| e.is_drained())).await);
+    let (_, blocks) = converge(&refs(&rs), want, 30).await;
+    assert_eq!(
+        blocks, want,
+        "every drained block is on every replica, once"
+    );
+    let mut total = 0;
+    for r in &rs {
+        total += r.counter("relay_originated").await;
+    }
+    assert!(total >= 2, "drains were relayed");
+    exactly_once(&refs(&rs), total).await;
+
+    // Kill the owner of engine 0; another replica takes over within seconds.
+    let owner = poller_of(&refs(&rs), addrs[0]).await.remove(0);
+    let pos = rs.iter().position(|r| r.name == owner).unwrap();
+    let dead_originated = rs[pos].counter("relay_originated").await;
+    rs[pos].kill();
+    let dead = rs.remove(pos);
+    let killed = Instant::now();
+    let deadline = killed + Duration::from_secs(15);
+    loop {
+        let p = poller_of(&refs(&rs), addrs[0]).await;
+        if p.len() == 1 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "ownership of {} moved: {p:?}",
+            addrs[0]
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!(
+        "ownership moved {:?} after the owner was killed",
+        killed.elapsed()
+    );
+    for _ in 0..4 {
+        want += round(&engines, &mut next);
+        tokio::time::sleep(Duration::from_millis(120)).await;
+    }
+    assert!(common::eventually(10, || engines.iter().all(|e| e.is_drained())).await);
+    let (_, blocks) = converge(&refs(&rs), want, 30).await;
+    assert_eq!(
+        blocks, want,
+        "nothing acknowledged was lost in the failover"
+    );
+    let mut total = dead_originated;
+    for r in &rs {
+        total += r.counter("relay_originated").await;
+    }
+    exactly_once(&refs(&rs), total).await;
+    drop(dead);
+}

@@ -43,6 +43,7 @@ helm-test:
 ## TRACE=path/to/mooncake.jsonl adds a trace-driven run.
 bench: tools
 	$(CARGO) bench --bench core -- $(if $(TRACE),--trace $(TRACE),)
+	$(CARGO) bench --bench replica
 	KV_EPP_VENV=$(CURDIR)/.venv $(CARGO) bench --bench e2e
 
 fmt:

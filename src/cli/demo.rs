@@ -88,6 +88,7 @@ pub fn run(args: &DemoArgs) -> Result<String, String> {
         num_blocks: args.num_blocks,
         block_size: args.block_size,
         latency: LatencyModel::default(),
+        replicas: 1,
     };
     let kv = simulate(&spec, &Policy::KvAware(ScoringConfig::default()), &work);
     let rr = simulate(&spec, &Policy::RoundRobin, &work);

@@ -47,6 +47,8 @@ pub struct ReplicaCounters {
     pub snapshots_served: AtomicU64,
     /// Block entries restored from a peer's snapshot.
     pub blocks_restored: AtomicU64,
+    /// Encoded bytes of the snapshot messages received.
+    pub snapshot_bytes: AtomicU64,
     /// Peer calls refused for a missing or wrong token.
     pub unauthenticated: AtomicU64,
 }
@@ -236,6 +238,7 @@ async fn bootstrap(state: &Arc<ReplicaState>) {
             Some("no peer reachable: first replica, starting with an empty index")
         } else if now >= settle
             && !reachable.is_empty()
+            && view.iter().all(|p| !p.ready)
             && reachable.iter().all(|&i| state.instance < i)
         {
             Some("no peer is ready yet and this replica is first among them: starting empty")

@@ -211,6 +211,10 @@ async fn fetch_into(
             .map_err(|_| "snapshot stream stalled".to_string())?
             .map_err(|s| format!("snapshot stream: {}", s.message()))?
             .ok_or("snapshot stream ended early")?;
+        state
+            .counters
+            .snapshot_bytes
+            .fetch_add(prost::Message::encoded_len(&msg) as u64, Ordering::Relaxed);
         match msg.item.ok_or("empty snapshot chunk")? {
             Item::Worker(h) => {
                 if current.is_some() {

@@ -43,6 +43,10 @@ pub struct FleetSpec {
     pub block_size: usize,
     /// Latency model.
     pub latency: LatencyModel,
+    /// kv-epp replicas in front of the fleet (requests alternate between them, as a load
+    /// balancer spreads them). Each has its own index fed by every engine's events, and knows
+    /// only the in-flight requests it routed itself.
+    pub replicas: usize,
 }
 
 /// Per-tenant results.
@@ -144,24 +148,35 @@ pub fn simulate(spec: &FleetSpec, policy: &Policy, requests: &[WorkloadRequest])
             stored_by: HashMap::new(),
         })
         .collect();
-    let index = KvIndex::new(spec.block_size, IndexLimits::default());
-    for id in &ids {
-        index.add_worker(*id);
-    }
+    let replicas = spec.replicas.max(1);
+    let indexes: Vec<KvIndex> = (0..replicas)
+        .map(|_| {
+            let index = KvIndex::new(spec.block_size, IndexLimits::default());
+            for id in &ids {
+                index.add_worker(*id);
+            }
+            index
+        })
+        .collect();
+    // Per replica, per engine: requests that replica routed and that are still running.
+    let mut routed: Vec<Vec<u32>> = vec![vec![0; spec.workers]; replicas];
     let mut rng = SmallRng::seed_from_u64(1);
     let mut report = FleetReport::default();
-    // (finish time, engine, blocks) of running requests.
-    let mut running: BinaryHeap<Reverse<(u64, usize, Vec<u32>)>> = BinaryHeap::new();
+    // (finish time, engine, replica, blocks) of running requests.
+    let mut running: BinaryHeap<Reverse<(u64, usize, usize, Vec<u32>)>> = BinaryHeap::new();
     let mut rr = 0usize;
-    for req in requests {
+    for (n, req) in requests.iter().enumerate() {
         let now = req.at_ms * 1000;
-        while let Some(Reverse((t, _, _))) = running.peek() {
+        let replica = n % replicas;
+        let index = &indexes[replica];
+        while let Some(Reverse((t, _, _, _))) = running.peek() {
             if *t > now {
                 break;
             }
-            let Reverse((_, e, blocks)) = running.pop().expect("peeked");
+            let Reverse((_, e, r, blocks)) = running.pop().expect("peeked");
             engines[e].cache.release(&blocks);
             engines[e].inflight -= 1;
+            routed[r][e] -= 1;
         }
         let salt = req.tenant.as_deref();
         let cache_salt = salt.and_then(|s| CacheSalt::new(s, SaltSource::Header).ok().flatten());
@@ -182,7 +197,7 @@ pub fn simulate(spec: &FleetSpec, policy: &Policy, requests: &[WorkloadRequest])
                         Candidate {
                             device_blocks: o.map_or(0, |o| o.device_blocks),
                             total_blocks: o.map_or(0, |o| o.total_blocks),
-                            inflight: engines[i].inflight,
+                            inflight: routed[replica][i],
                             ..Candidate::idle(*id)
                         }
                     })
@@ -233,7 +248,9 @@ pub fn simulate(spec: &FleetSpec, policy: &Policy, requests: &[WorkloadRequest])
                     engine.stored_by.insert(*h, req.tenant.clone());
                 }
             }
-            apply_event(&index, &ids[chosen], &ev);
+            for index in &indexes {
+                apply_event(index, &ids[chosen], &ev);
+            }
         }
         let start = now.max(engine.prefill_free_at);
         let first_token = start
@@ -242,8 +259,9 @@ pub fn simulate(spec: &FleetSpec, policy: &Policy, requests: &[WorkloadRequest])
                 .prefill_us(req.tokens.len() - adm.cached_tokens);
         engine.prefill_free_at = first_token;
         engine.inflight += 1;
+        routed[replica][chosen] += 1;
         let done = first_token + spec.latency.decode_us(req.output_tokens);
-        running.push(Reverse((done, chosen, adm.blocks)));
+        running.push(Reverse((done, chosen, replica, adm.blocks)));
         let stats = report
             .tenants
             .entry(req.tenant.clone().unwrap_or_default())
@@ -308,12 +326,41 @@ mod tests {
     use crate::workload::{GeneratorSpec, generate};
 
     #[test]
+    fn three_replicas_route_about_as_well_as_one() {
+        let work = generate(&GeneratorSpec {
+            sessions_per_tenant: 4,
+            ..GeneratorSpec::default()
+        });
+        let mut spec = FleetSpec {
+            workers: 4,
+            num_blocks: 2048,
+            block_size: 16,
+            latency: LatencyModel::default(),
+            replicas: 1,
+        };
+        let policy = Policy::KvAware(ScoringConfig::default());
+        let one = simulate(&spec, &policy, &work);
+        spec.replicas = 3;
+        let three = simulate(&spec, &policy, &work);
+        let (h1, h3) = (one.total().hit_rate(), three.total().hit_rate());
+        assert!(h1 > 0.3, "the workload has reuse: {h1}");
+        // Each replica sees every event but only its own in-flight requests: affinity holds.
+        assert!(
+            (h1 - h3).abs() < 0.05,
+            "1 replica {h1:.3}, 3 replicas {h3:.3}"
+        );
+        assert_eq!(three.cross_tenant_hit_blocks, 0);
+        assert_eq!(three.overcredited_decisions, 0);
+    }
+
+    #[test]
     fn kv_aware_beats_round_robin_and_keeps_tenants_apart() {
         let spec = FleetSpec {
             workers: 4,
             num_blocks: 2048,
             block_size: 16,
             latency: LatencyModel::default(),
+            replicas: 1,
         };
         let work = generate(&GeneratorSpec {
             sessions_per_tenant: 4,

@@ -135,6 +135,9 @@ struct Engine {
     stored_by: HashMap<EngineDigest, Option<String>>,
 }
 
+/// A running request: (finish time, engine, replica that routed it, its blocks).
+type Running = (u64, usize, usize, Vec<u32>);
+
 /// Runs `requests` through a simulated fleet under `policy`.
 pub fn simulate(spec: &FleetSpec, policy: &Policy, requests: &[WorkloadRequest]) -> FleetReport {
     let ids: Vec<WorkerId> = (0..spec.workers)
@@ -162,8 +165,7 @@ pub fn simulate(spec: &FleetSpec, policy: &Policy, requests: &[WorkloadRequest])
     let mut routed: Vec<Vec<u32>> = vec![vec![0; spec.workers]; replicas];
     let mut rng = SmallRng::seed_from_u64(1);
     let mut report = FleetReport::default();
-    // (finish time, engine, replica, blocks) of running requests.
-    let mut running: BinaryHeap<Reverse<(u64, usize, usize, Vec<u32>)>> = BinaryHeap::new();
+    let mut running: BinaryHeap<Reverse<Running>> = BinaryHeap::new();
     let mut rr = 0usize;
     for (n, req) in requests.iter().enumerate() {
         let now = req.at_ms * 1000;

@@ -17,6 +17,7 @@ use crate::config::Config;
 use crate::events::Feeds;
 use crate::extproc::ExtProcService;
 use crate::extproc::stream::StreamOptions;
+use crate::membership::Membership;
 use crate::metrics::Metrics;
 use crate::readiness::Readiness;
 use crate::router::Router;
@@ -66,6 +67,8 @@ pub struct Server {
     pub feeds: Arc<Feeds>,
     /// What gates this replica's readiness.
     pub readiness: Readiness,
+    /// The running workers (static or discovered) and their feeds and scrapers.
+    pub membership: Arc<Membership>,
     shutdown: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -118,20 +121,9 @@ impl Server {
         let admin_l = bind("admin", SocketAddr::new(ip, config.server.admin_port)).await?;
         let admin_addr = local(&admin_l);
         let feeds = Arc::new(Feeds::default());
-        for w in &config.workers {
-            let id = w.id();
-            if let (Some(index), Some(endpoints)) =
-                (router.index(&w.model), config.feed_endpoints(&id, Some(w)))
-            {
-                feeds.start(id, index.clone(), endpoints);
-            }
-            if config.events.engine == crate::config::EventEngine::Trtllm
-                && let Some(index) = router.index(&w.model)
-            {
-                let every = std::time::Duration::from_millis(config.events.trtllm.poll_interval_ms);
-                feeds.start_trtllm(id, index.clone(), every);
-            }
-        }
+        // Static workers and discovered ones go through the same reconciler.
+        let membership = Arc::new(Membership::new(config, router.clone(), feeds.clone()));
+        membership.reconcile(Membership::static_workers(config));
         let (grpc_addr, health_addr, metrics_addr) =
             (local(&grpc), local(&health), local(&metrics_l));
         let (shutdown, rx) = watch::channel(false);
@@ -232,18 +224,17 @@ impl Server {
                 tracing::error!(error = %e, "metrics server stopped");
             }
         }));
-        if config.engine_metrics.interval_ms > 0 {
-            let interval = std::time::Duration::from_millis(config.engine_metrics.interval_ms);
-            let stale = std::time::Duration::from_millis(config.engine_metrics.stale_after_ms);
-            for w in router.workers() {
-                let mut stop = rx.clone();
-                tasks.push(tokio::spawn(async move {
-                    tokio::select! {
-                        _ = crate::engine_metrics::scrape(w, interval, stale) => {}
-                        _ = stop.wait_for(|s| *s) => {}
-                    }
-                }));
-            }
+        if config.discovers_workers() {
+            let (run, mut stop) = (
+                crate::discovery::run(config.clone(), membership.clone(), readiness.clone()),
+                rx.clone(),
+            );
+            tasks.push(tokio::spawn(async move {
+                tokio::select! {
+                    _ = run => {}
+                    _ = stop.wait_for(|s| *s) => {}
+                }
+            }));
         }
         let admin = crate::admin::routes(crate::admin::AdminState {
             router: router.clone(),
@@ -270,6 +261,7 @@ impl Server {
             admin_addr,
             feeds,
             readiness,
+            membership,
             shutdown,
             tasks,
         })
@@ -281,6 +273,7 @@ impl Server {
         for t in self.tasks {
             let _ = t.await;
         }
+        self.membership.shutdown();
     }
 }
 

@@ -182,14 +182,10 @@ impl Discovery {
         if !s.pools.listed() || (self.pool.is_some() && !s.pod_store.listed()) {
             return;
         }
-        let found = endpoints::desired(
-            &self.config,
-            self.pool.as_ref().unwrap_or(&PoolSpec {
-                selector: Default::default(),
-                target_ports: Vec::new(),
-            }),
-            s.pod_store.objects().values(),
-        );
+        let found = match &self.pool {
+            Some(pool) => endpoints::desired(&self.config, pool, s.pod_store.objects().values()),
+            None => endpoints::Endpoints::default(),
+        };
         self.count_skipped(&found.skipped);
         self.membership.reconcile(found.workers);
         self.synced = true;

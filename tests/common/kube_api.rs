@@ -332,7 +332,8 @@ impl FakeKube {
 
     /// Stops listening and ends every open watch: the API is unreachable until `restart`.
     pub async fn stop(&self) {
-        if let Some(t) = self.server.lock().unwrap().take() {
+        let task = self.server.lock().unwrap().take();
+        if let Some(t) = task {
             t.abort();
             let _ = t.await;
         }

@@ -40,6 +40,8 @@ pub(super) struct Discovery {
     /// Whether readiness already says the API is unreachable.
     reported_unreachable: bool,
     last_error: String,
+    /// The pods skipped at the last reconcile (each is logged once when it starts).
+    skipped: Vec<(String, endpoints::SkipReason)>,
 }
 
 /// The watches of one session.
@@ -67,6 +69,7 @@ impl Discovery {
             failing_since: None,
             reported_unreachable: false,
             last_error: String::new(),
+            skipped: Vec::new(),
         }
     }
 
@@ -186,13 +189,15 @@ impl Discovery {
             Some(pool) => endpoints::desired(&self.config, pool, s.pod_store.objects().values()),
             None => endpoints::Endpoints::default(),
         };
-        self.count_skipped(&found.skipped);
+        self.count_skipped(found.skipped);
         self.membership.reconcile(found.workers);
         self.synced = true;
         self.report();
     }
 
-    fn count_skipped(&self, skipped: &[(String, endpoints::SkipReason)]) {
+    /// Sets the skipped-pods gauge, and logs each pod when it starts being skipped (not on
+    /// every reconcile).
+    fn count_skipped(&mut self, skipped: Vec<(String, endpoints::SkipReason)>) {
         use endpoints::SkipReason::*;
         let gauge = &self.membership.router().metrics().discovery_skipped_pods;
         for reason in [BadIp, NoModelLabel, UnknownModel] {
@@ -201,15 +206,11 @@ impl Discovery {
                 .get_or_create(&Metrics::labels(&[("reason", reason.as_str())]))
                 .set(i64::try_from(n).unwrap_or(i64::MAX));
         }
-        for (pod, reason) in skipped {
-            tracing::debug!(%pod, reason = reason.as_str(), "pod skipped");
+        for (pod, reason) in skipped.iter().filter(|p| !self.skipped.contains(p)) {
+            let (label, reason) = (&self.config.pool.model_label, reason.as_str());
+            tracing::warn!(%pod, reason, model_label = %label, "skipping a pod of the pool");
         }
-        if !skipped.is_empty() {
-            tracing::warn!(
-                pods = skipped.len(),
-                "pods of the pool skipped (see kv_epp_discovery_skipped_pods)"
-            );
-        }
+        self.skipped = skipped;
     }
 
     fn contact(&mut self, s: &mut Session, ev: &Event<DynamicObject>) {

@@ -605,3 +605,32 @@ async fn wait_endpoints(
     .is_ok_and(|r| r.is_ok());
     assert!(ok, "endpoints {:?}", *rx.borrow());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn discovery_works_over_https_with_the_clusters_ca() {
+    // The in-cluster API is HTTPS under the service account's CA: rustls with ring verifies the
+    // fake's self-signed certificate from the kubeconfig's certificate-authority file.
+    let fake = FakeKube::start_tls().await;
+    fake.put(Res::PoolV1, NS, pool_v1(POOL, app("vllm"), &[8000]));
+    fake.put(Res::Pods, NS, pod("a", "127.0.0.91", true, app("vllm")));
+    let server = Server::start(&config(&fake, "https", "", ""))
+        .await
+        .unwrap();
+    expect_workers(&server, &["127.0.0.91:8000"]).await;
+    fake.put(Res::Pods, NS, pod("b", "127.0.0.92", true, app("vllm")));
+    expect_workers(&server, &["127.0.0.91:8000", "127.0.0.92:8000"]).await;
+    expect_readiness(&server, ServingStatus::Serving).await;
+    server.stop().await;
+
+    // A client that does not trust the certificate gets nothing (and does not panic).
+    let untrusting = tmp_dir("https-untrusted").join("kubeconfig");
+    let text = format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: https://{}\nusers:\n- name: u\n  user: {{}}\ncontexts:\n- name: c\n  context: {{cluster: c, user: u}}\ncurrent-context: c\n",
+        fake.addr
+    );
+    std::fs::write(&untrusting, text).unwrap();
+    let client = kv_epp::discovery::client_for(Some(&untrusting))
+        .await
+        .unwrap();
+    assert!(client.apiserver_version().await.is_err());
+}

@@ -234,16 +234,37 @@ pub struct FakeKube {
     pub addr: SocketAddr,
     state: Arc<Mutex<ApiState>>,
     server: Mutex<Option<JoinHandle<()>>>,
+    /// With HTTPS: the server's TLS settings and its self-signed certificate (PEM).
+    tls: Option<(Arc<tokio_rustls::rustls::ServerConfig>, String)>,
 }
 
 impl FakeKube {
-    /// Starts on an ephemeral loopback port.
+    /// Starts plain HTTP on an ephemeral loopback port.
     pub async fn start() -> FakeKube {
+        Self::start_with(None).await
+    }
+
+    /// Starts HTTPS (a self-signed certificate for 127.0.0.1, as the in-cluster API serves TLS
+    /// under the service account's CA).
+    pub async fn start_tls() -> FakeKube {
+        let ck = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned()]).unwrap();
+        let key = tokio_rustls::rustls::pki_types::PrivatePkcs8KeyDer::from(
+            ck.signing_key.serialize_der(),
+        );
+        let config = tokio_rustls::rustls::ServerConfig::builder()
+            .with_no_client_auth()
+            .with_single_cert(vec![ck.cert.der().clone()], key.into())
+            .unwrap();
+        Self::start_with(Some((Arc::new(config), ck.cert.pem()))).await
+    }
+
+    async fn start_with(tls: Option<(Arc<tokio_rustls::rustls::ServerConfig>, String)>) -> Self {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let fake = FakeKube {
             addr: l.local_addr().unwrap(),
             state: Arc::new(Mutex::new(ApiState::default())),
             server: Mutex::new(None),
+            tls,
         };
         fake.serve(l);
         fake
@@ -253,8 +274,15 @@ impl FakeKube {
         let app = axum::Router::new()
             .fallback(handle)
             .with_state(self.state.clone());
+        let tls = self.tls.as_ref().map(|(c, _)| c.clone());
         let task = tokio::spawn(async move {
-            let _ = axum::serve(l, app).await;
+            let _ = match tls {
+                Some(config) => {
+                    let acceptor = tokio_rustls::TlsAcceptor::from(config);
+                    axum::serve(TlsListener { tcp: l, acceptor }, app).await
+                }
+                None => axum::serve(l, app).await,
+            };
         });
         *self.server.lock().unwrap() = Some(task);
     }
@@ -262,8 +290,19 @@ impl FakeKube {
     /// Writes a kubeconfig pointing at this server into `dir` and returns its path.
     pub fn kubeconfig(&self, dir: &Path) -> PathBuf {
         let path = dir.join(format!("kubeconfig-{}", self.addr.port()));
+        let (scheme, ca) = match &self.tls {
+            Some((_, pem)) => {
+                let ca = dir.join(format!("ca-{}.crt", self.addr.port()));
+                std::fs::write(&ca, pem).unwrap();
+                (
+                    "https",
+                    format!("\n    certificate-authority: {}", ca.display()),
+                )
+            }
+            None => ("http", String::new()),
+        };
         let text = format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: http://{}\nusers:\n- name: test\n  user: {{}}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: test\n    namespace: default\ncurrent-context: fake\n",
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {scheme}://{}{ca}\nusers:\n- name: test\n  user: {{token: test-token}}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: test\n    namespace: default\ncurrent-context: fake\n",
             self.addr
         );
         std::fs::write(&path, text).unwrap();
@@ -344,6 +383,36 @@ impl FakeKube {
     pub async fn restart(&self) {
         let l = TcpListener::bind(self.addr).await.unwrap();
         self.serve(l);
+    }
+}
+
+/// Accepts TCP connections and completes their TLS handshakes (a failed or stalled handshake is
+/// dropped, never fatal).
+struct TlsListener {
+    tcp: TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            let Ok((tcp, addr)) = self.tcp.accept().await else {
+                continue;
+            };
+            let handshake = self.acceptor.accept(tcp);
+            if let Ok(Ok(tls)) =
+                tokio::time::timeout(std::time::Duration::from_secs(5), handshake).await
+            {
+                return (tls, addr);
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.tcp.local_addr()
     }
 }
 

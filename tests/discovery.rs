@@ -16,6 +16,12 @@ use kube_api::{FakeKube, Res, endpoint_slice, pod, pool_v1, pool_v1alpha2};
 use kv_epp::config::Config;
 use kv_epp::router::RouteRequest;
 use kv_epp::server::Server;
+use kv_epp::sim::api::Served;
+use kv_epp::sim::engine::EngineConfig;
+use kv_epp::sim::events::{BatchEncoder, EventLayout, HashForm};
+use kv_epp::sim::latency::LatencyModel;
+use kv_epp::sim::publisher::PublisherConfig;
+use kv_epp::sim::server::{SimWorker, SimWorkerConfig};
 use serde_json::json;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -39,10 +45,15 @@ fn config(fake: &FakeKube, name: &str, extra_pool: &str, rest: &str) -> Config {
     } else {
         "models: [{name: m, block_size: 4}]\n"
     };
+    let events = if rest.contains("events:") {
+        ""
+    } else {
+        "events: {engine: vllm, zmq: {port: 5557, replay_port: 6557}}\n"
+    };
     let yaml = format!(
         "server: {{bind_address: 127.0.0.1, grpc_port: 0, grpc_health_port: 0, metrics_port: 0, admin_port: 0}}\n\
          engine_metrics: {{interval_ms: 0}}\n\
-         events: {{engine: vllm, zmq: {{port: 5557, replay_port: 6557}}}}\n\
+         {events}\
          {models}\
          pool: {{name: {POOL}, namespace: {NS}, kubeconfig: '{}', api_unreachable_timeout_ms: 1000{extra_pool}}}\n{rest}",
         kubeconfig.display()
@@ -274,6 +285,135 @@ async fn workers_follow_pod_readiness_deletion_selector_and_target_ports() {
     fake.delete(Res::PoolV1, NS, POOL);
     expect_workers(&server, &[]).await;
     expect_readiness(&server, ServingStatus::NotServing).await;
+    server.stop().await;
+}
+
+/// A simulated vLLM worker on 127.0.0.1: HTTP on an ephemeral port, KV events on `events_port`.
+async fn sim_worker(events_port: u16) -> SimWorker {
+    let config = SimWorkerConfig {
+        http_addr: "127.0.0.1:0".parse().unwrap(),
+        served: Served {
+            model: "m".into(),
+            lora_modules: vec![],
+        },
+        engine: EngineConfig {
+            num_blocks: 256,
+            block_size: 4,
+            max_num_seqs: 8,
+            latency: LatencyModel {
+                base_us: 0,
+                prefill_us_per_token: 0.0,
+                decode_us_per_token: 0,
+            },
+        },
+        publisher: PublisherConfig {
+            events_endpoint: format!("tcp://127.0.0.1:{events_port}"),
+            replay_endpoint: None,
+            topic: String::new(),
+            buffer_steps: 1000,
+            drop_fraction: 0.0,
+            fault_seed: 1,
+            encoder: BatchEncoder {
+                layout: EventLayout::Map,
+                hash_form: HashForm::Int,
+                block_size: 4,
+                lora_modules: vec![],
+                data_parallel_rank: None,
+            },
+        },
+    };
+    kv_epp::sim::server::start(config, None).await.unwrap()
+}
+
+/// kv-epp's overlap in tokens for an unsalted token prompt on `worker`, from the admin `/query`.
+async fn believed(server: &Server, worker: std::net::SocketAddr, tokens: &[u32]) -> u64 {
+    let body = json!({"model": "m", "token_ids": tokens}).to_string();
+    let r = common::http(server.admin_addr, "POST", "/query", &[], body.as_bytes())
+        .await
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    v["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["worker"] == worker.to_string())
+        .map_or(0, |i| i["overlap_tokens"].as_u64().unwrap_or(0))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_discovered_workers_events_feed_the_index_until_its_pod_goes() {
+    // A real simulated vLLM worker publishes KV events on tcp://127.0.0.1:P; its pod has IP
+    // 127.0.0.1 and the pool's target port is its HTTP port, so kv-epp derives the event
+    // endpoint from the pod IP and events.zmq.port, subscribes, and credits its blocks.
+    let events_port = common::free_port();
+    let sim = sim_worker(events_port).await;
+    let fake = FakeKube::start().await;
+    fake.put(
+        Res::PoolV1,
+        NS,
+        pool_v1(POOL, app("vllm"), &[sim.http_addr.port()]),
+    );
+    fake.put(Res::Pods, NS, pod("sim", "127.0.0.1", true, app("vllm")));
+    let rest = format!("events: {{engine: vllm, zmq: {{port: {events_port}, replay_port: 0}}}}\n");
+    let server = Server::start(&config(&fake, "sim", "", &rest))
+        .await
+        .unwrap();
+    let worker = sim.http_addr.to_string();
+    expect_workers(&server, &[&worker]).await;
+    assert_eq!(
+        feeds(&server),
+        vec![(
+            worker.clone(),
+            format!("tcp://127.0.0.1:{events_port}"),
+            None
+        )]
+    );
+
+    // Prompts go straight to the worker until kv-epp credits one (the subscription is live).
+    let deadline = std::time::Instant::now() + Duration::from_secs(DEADLINE_SECS);
+    let mut credited = None;
+    for i in 0u32.. {
+        let tokens: Vec<u32> = (0..16).map(|t| 1000 * (i + 1) + t).collect();
+        let body = json!({"model": "m", "prompt": tokens, "max_tokens": 1}).to_string();
+        let r = common::http(
+            sim.http_addr,
+            "POST",
+            "/v1/completions",
+            &[],
+            body.as_bytes(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        let settle = std::time::Instant::now() + Duration::from_secs(1);
+        let mut ok = false;
+        while !ok && std::time::Instant::now() < settle {
+            ok = believed(&server, sim.http_addr, &tokens).await >= 12;
+            if !ok {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        if ok {
+            credited = Some(tokens);
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no event of the discovered worker was applied"
+        );
+    }
+    let tokens = credited.unwrap();
+
+    // The pod goes: the worker, its feed and its blocks go with it, and when the pod comes back
+    // none of the old blocks is credited again (the index forgot them; nothing new was sent).
+    fake.delete(Res::Pods, NS, "sim");
+    expect_workers(&server, &[]).await;
+    assert!(feeds(&server).is_empty());
+    assert!(server.router.index("m").unwrap().workers().is_empty());
+    assert_eq!(believed(&server, sim.http_addr, &tokens).await, 0);
+    fake.put(Res::Pods, NS, pod("sim", "127.0.0.1", true, app("vllm")));
+    expect_workers(&server, &[&worker]).await;
+    assert_eq!(believed(&server, sim.http_addr, &tokens).await, 0);
     server.stop().await;
 }
 

@@ -699,4 +699,23 @@ mod tests {
         assert!(c.salt.required);
         assert!(Config::from_yaml("salt: {sources: [cookie]}").is_err());
     }
+
+    #[test]
+    fn discovery_runs_only_without_static_workers_and_needs_a_namespace() {
+        let c = Config::from_yaml("pool: {name: p}").unwrap();
+        assert!(c.discovers_workers());
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("pool.namespace"), "{e}");
+        let c = Config::from_yaml("pool: {name: p, namespace: n, api_version: v1alpha2}").unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.pool.api_version, PoolApiVersion::V1alpha2);
+        assert_eq!(c.pool.model_label, DEFAULT_MODEL_LABEL);
+        let c = Config::from_yaml("pool: {name: p, namespace: n, api_unreachable_timeout_ms: 0}")
+            .unwrap();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("pool.api_unreachable_timeout_ms"), "{e}");
+        let c = Config::from_yaml(EXAMPLE).unwrap();
+        assert!(!c.discovers_workers(), "static workers turn discovery off");
+        assert!(Config::from_yaml("pool: {api_version: v2}").is_err());
+    }
 }

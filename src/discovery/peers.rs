@@ -12,7 +12,7 @@ use kube::runtime::watcher;
 use serde_json::Value;
 use tokio::sync::watch;
 
-use super::store::{Backoff, Store, watch as start_watch};
+use super::store::{Backoff, Store, proves_contact, watch as start_watch};
 
 /// Which port of the Service's endpoints to publish.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -95,7 +95,9 @@ async fn follow(
         let error = loop {
             match futures_util::StreamExt::next(&mut w).await {
                 Some(Ok(ev)) => {
-                    backoff.reset();
+                    if proves_contact(&ev) {
+                        backoff.reset();
+                    }
                     if store.apply(ev) && store.listed() {
                         let now = addresses(store.objects().values().map(|o| &o.data), port);
                         tx.send_if_modified(|v| std::mem::replace(v, now.clone()) != now);

@@ -12,7 +12,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kube::api::{Api, DynamicObject};
+use kube::api::{Api, ApiResource, DynamicObject};
 use kube::runtime::watcher::{self, Event};
 use tokio::time::Instant;
 
@@ -131,36 +131,43 @@ impl Discovery {
         if !s.pools.apply(ev) {
             return;
         }
-        self.pool = match s.pools.objects().get(&self.config.pool.name) {
-            None => None,
-            Some(o) => match pool::parse(
-                self.api,
-                o.data.get("spec").unwrap_or(&serde_json::Value::Null),
-            ) {
-                Ok(p) => Some(p),
-                Err(e) => {
-                    tracing::warn!(pool = %self.config.pool.name, error = %e, "ignoring an invalid InferencePool; keeping the last valid one");
-                    self.pool.clone()
-                }
-            },
-        };
-        let selector = self.pool.as_ref().map(PoolSpec::label_selector);
-        if s.pods.as_ref().map(|(sel, _)| sel) != selector.as_ref() {
-            s.pods = selector.map(|sel| {
-                let api = Api::namespaced_with(
-                    client.clone(),
-                    &self.config.pool.namespace,
-                    &kube::api::ApiResource::erase::<k8s_openapi::api::core::v1::Pod>(&()),
-                );
-                let w = watch(api, watcher::Config::default().labels(&sel));
-                (sel, w)
-            });
-            s.pod_store = Store::default();
-        }
+        self.pool = self.current_pool(&s.pools);
+        self.follow_selector(client, s);
         self.reconcile(s);
     }
 
+    /// The pool as listed and watched; an invalid object keeps the last valid pool.
+    fn current_pool(&self, pools: &Store) -> Option<PoolSpec> {
+        let object = pools.objects().get(&self.config.pool.name)?;
+        let spec = object.data.get("spec").unwrap_or(&serde_json::Value::Null);
+        match pool::parse(self.api, spec) {
+            Ok(p) => Some(p),
+            Err(error) => {
+                let pool = &self.config.pool.name;
+                tracing::warn!(%pool, %error, "ignoring an invalid InferencePool; keeping the last valid one");
+                self.pool.clone()
+            }
+        }
+    }
+
+    /// (Re)starts the pod watch when the pool's selector changed; the old pods stay in effect
+    /// until the new selector's list is complete.
+    fn follow_selector(&self, client: &kube::Client, s: &mut Session) {
+        let selector = self.pool.as_ref().map(PoolSpec::label_selector);
+        if s.pods.as_ref().map(|(sel, _)| sel) == selector.as_ref() {
+            return;
+        }
+        s.pods = selector.map(|sel| {
+            let pods = ApiResource::erase::<k8s_openapi::api::core::v1::Pod>(&());
+            let api = Api::namespaced_with(client.clone(), &self.config.pool.namespace, &pods);
+            let w = watch(api, watcher::Config::default().labels(&sel));
+            (sel, w)
+        });
+        s.pod_store = Store::default();
+    }
+
     fn on_pool_error(&mut self, e: watcher::Error) -> String {
+        let message = format!("InferencePool ({:?}): {e}", self.api);
         if let watcher::Error::InitialListFailed(kube::Error::Api(status)) = &e
             && status.code == 404
         {
@@ -170,7 +177,7 @@ impl Discovery {
                 self.api = next;
             }
         }
-        format!("InferencePool ({:?}): {e}", self.api)
+        message
     }
 
     fn on_pod_event(&mut self, s: &mut Session, ev: Event<DynamicObject>) {

@@ -277,9 +277,22 @@ async fn workers_follow_pod_readiness_deletion_selector_and_target_ports() {
         BTreeSet::from(["127.0.0.13:9000".to_owned()])
     );
 
-    // 7. Pods of the new selector keep being followed.
+    // 7. Bad API data is skipped: an invalid pool update keeps the last valid pool, and pods
+    //    with nonsense status never become workers; pods of the selector keep being followed.
+    let mut invalid = pool_v1(POOL, app("other"), &[9000]);
+    invalid["spec"]["targetPorts"] = json!("all of them");
+    fake.put(Res::PoolV1, NS, invalid);
+    let mut weird = pod("weird", "127.0.0.15", true, app("other"));
+    weird["status"] = json!({"podIP": 7, "conditions": "Ready"});
+    fake.put(Res::Pods, NS, weird);
+    fake.put(
+        Res::Pods,
+        NS,
+        pod("bad-ip", "not-an-ip", true, app("other")),
+    );
     fake.put(Res::Pods, NS, pod("d", "127.0.0.14", true, app("other")));
     expect_workers(&server, &["127.0.0.13:9000", "127.0.0.14:9000"]).await;
+    expect_readiness(&server, ServingStatus::Serving).await;
 
     // 8. The pool is deleted: no workers, not ready.
     fake.delete(Res::PoolV1, NS, POOL);

@@ -219,14 +219,58 @@ impl Default for ServerConfig {
     }
 }
 
-/// Pool identity.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+/// The InferencePool served, and how its workers are discovered.
+///
+/// Discovery runs when `name` is set and `workers` is empty (see [`Config::discovers_workers`]):
+/// the pool's pods that are Ready, not terminating and have an IP become workers, one per
+/// target port (port index = data-parallel rank).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PoolConfig {
     /// InferencePool name.
     pub name: String,
     /// InferencePool namespace.
     pub namespace: String,
+    /// Which InferencePool API to watch.
+    pub api_version: PoolApiVersion,
+    /// The pod label naming a discovered worker's model; only read when several models are
+    /// configured (with one model, every pod serves it).
+    pub model_label: String,
+    /// After this long without a working watch of the API, readiness condition `discovery`
+    /// turns false (the last known workers are kept and routed to meanwhile).
+    pub api_unreachable_timeout_ms: u64,
+    /// A kubeconfig file to use instead of the usual inference (`$KUBECONFIG`,
+    /// `~/.kube/config`, then the in-cluster service account).
+    pub kubeconfig: Option<PathBuf>,
+}
+
+/// Default pod label naming a worker's model.
+pub const DEFAULT_MODEL_LABEL: &str = "kv-epp.io/model";
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            name: String::new(),
+            namespace: String::new(),
+            api_version: PoolApiVersion::Auto,
+            model_label: DEFAULT_MODEL_LABEL.to_owned(),
+            api_unreachable_timeout_ms: 30_000,
+            kubeconfig: None,
+        }
+    }
+}
+
+/// Which InferencePool API version discovery watches.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PoolApiVersion {
+    /// `inference.networking.k8s.io/v1`, falling back to `v1alpha2` while v1 is not served.
+    #[default]
+    Auto,
+    /// `inference.networking.k8s.io/v1` only (`spec.selector.matchLabels`, `spec.targetPorts`).
+    V1,
+    /// `inference.networking.x-k8s.io/v1alpha2` only (`spec.selector`, `spec.targetPortNumber`).
+    V1alpha2,
 }
 
 /// What to do with a request for a model that is not configured.
@@ -437,6 +481,12 @@ impl StaticWorker {
 }
 
 impl Config {
+    /// Whether workers come from the InferencePool (`pool.name` set and no static `workers`)
+    /// rather than from the static list.
+    pub fn discovers_workers(&self) -> bool {
+        !self.pool.name.is_empty() && self.workers.is_empty()
+    }
+
     /// Where a worker publishes KV events (`None` when events are off).
     pub fn feed_endpoints(
         &self,
@@ -617,6 +667,21 @@ impl Config {
         if self.salt.fingerprint_key.is_some() && self.salt.fingerprint_key_file.is_some() {
             return bad("set salt.fingerprint_key or salt.fingerprint_key_file, not both".into());
         }
+        if self.discovers_workers() {
+            if self.pool.namespace.is_empty() {
+                return bad(
+                    "pool.namespace is empty: set it, --pool-namespace or $NAMESPACE (pool.name is set and no static workers are listed, so workers are discovered from the pool)".into(),
+                );
+            }
+            if self.pool.api_unreachable_timeout_ms == 0 {
+                return bad("pool.api_unreachable_timeout_ms must be > 0".into());
+            }
+            if self.models.len() > 1 && self.pool.model_label.is_empty() {
+                return bad(
+                    "pool.model_label is empty but several models are configured: discovered pods need a label naming their model".into(),
+                );
+            }
+        }
         let mut seen = std::collections::HashSet::new();
         for (i, w) in self.workers.iter().enumerate() {
             for (field, ep) in [
@@ -713,5 +778,24 @@ mod tests {
         c.validate().unwrap();
         assert!(c.salt.required);
         assert!(Config::from_yaml("salt: {sources: [cookie]}").is_err());
+    }
+
+    #[test]
+    fn discovery_runs_only_without_static_workers_and_needs_a_namespace() {
+        let c = Config::from_yaml("pool: {name: p}").unwrap();
+        assert!(c.discovers_workers());
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("pool.namespace"), "{e}");
+        let c = Config::from_yaml("pool: {name: p, namespace: n, api_version: v1alpha2}").unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.pool.api_version, PoolApiVersion::V1alpha2);
+        assert_eq!(c.pool.model_label, DEFAULT_MODEL_LABEL);
+        let c = Config::from_yaml("pool: {name: p, namespace: n, api_unreachable_timeout_ms: 0}")
+            .unwrap();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("pool.api_unreachable_timeout_ms"), "{e}");
+        let c = Config::from_yaml(EXAMPLE).unwrap();
+        assert!(!c.discovers_workers(), "static workers turn discovery off");
+        assert!(Config::from_yaml("pool: {api_version: v2}").is_err());
     }
 }

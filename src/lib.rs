@@ -4,6 +4,7 @@
 
 pub mod admin;
 pub mod config;
+pub mod discovery;
 pub mod engine_metrics;
 pub mod engine_salt;
 pub mod events;
@@ -13,6 +14,7 @@ pub mod forward;
 pub mod hashing;
 pub mod httpc;
 pub mod index;
+pub mod membership;
 pub mod metrics;
 pub mod readiness;
 pub mod replica;

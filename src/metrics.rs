@@ -33,6 +33,8 @@ pub struct Metrics {
     pub tokens: Family<Labels, Counter>,
     /// Responses whose served endpoint differed from the one picked.
     pub served_mismatch: Counter,
+    /// Pods of the InferencePool that would be endpoints but were skipped, by reason.
+    pub discovery_skipped_pods: Family<Labels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -93,6 +95,12 @@ impl Metrics {
             "Responses served by an endpoint other than the one picked",
             served_mismatch.clone(),
         );
+        let discovery_skipped_pods = Family::<Labels, Gauge>::default();
+        registry.register(
+            "discovery_skipped_pods",
+            "Ready pods of the InferencePool skipped by discovery (bad IP, missing or unknown model label)",
+            discovery_skipped_pods.clone(),
+        );
         Metrics {
             registry,
             requests,
@@ -103,6 +111,7 @@ impl Metrics {
             stream_errors,
             tokens,
             served_mismatch,
+            discovery_skipped_pods,
         }
     }
 

@@ -17,6 +17,7 @@ use crate::config::Config;
 use crate::events::Feeds;
 use crate::extproc::ExtProcService;
 use crate::extproc::stream::StreamOptions;
+use crate::membership::Membership;
 use crate::metrics::Metrics;
 use crate::readiness::Readiness;
 use crate::replica::ReplicaState;
@@ -74,6 +75,8 @@ pub struct Server {
     pub replica: Option<Arc<ReplicaState>>,
     /// Bound peer API address, when replication is configured.
     pub peer_addr: Option<SocketAddr>,
+    /// The running workers (static or discovered) and their feeds and scrapers.
+    pub membership: Arc<Membership>,
     shutdown: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -135,15 +138,30 @@ impl Server {
                     None => None,
                 };
                 let mut peers = config.peers.clone();
-                // The peer Service is headless and lists not-ready replicas too, so its DNS name
-                // resolves to every replica.
+                // kv-epp's own Service: its EndpointSlices through the Kubernetes API, or else
+                // its DNS name (the chart's peer Service is headless and publishes not-ready
+                // replicas, so the name resolves to every replica).
+                let mut slices = None;
                 if let (Some(svc), None) = (&peers.service, &peers.dns) {
                     let ns = if config.pool.namespace.is_empty() {
                         "default"
                     } else {
                         config.pool.namespace.as_str()
                     };
-                    peers.dns = Some(format!("{svc}.{ns}.svc:{}", peers.port));
+                    match crate::discovery::client_for(config.pool.kubeconfig.as_deref()).await {
+                        Ok(client) => {
+                            slices = Some(
+                                crate::discovery::watch_service_endpoints(
+                                    client, ns, svc, peers.port,
+                                )
+                                .await,
+                            );
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "no Kubernetes API for peer discovery; resolving the peer Service through DNS");
+                            peers.dns = Some(format!("{svc}.{ns}.svc:{}", peers.port));
+                        }
+                    }
                 }
                 let state = ReplicaState::new(
                     router.clone(),
@@ -153,25 +171,17 @@ impl Server {
                     readiness.clone(),
                 )
                 .map_err(ServeError::Peers)?;
+                if let Some(rx) = slices {
+                    state.members.set_discovered(rx);
+                }
                 let l = bind("peer", SocketAddr::new(ip, config.peers.port)).await?;
                 Some((state, l))
             }
             false => None,
         };
-        for w in &config.workers {
-            let id = w.id();
-            if let (Some(index), Some(endpoints)) =
-                (router.index(&w.model), config.feed_endpoints(&id, Some(w)))
-            {
-                feeds.start(id, index.clone(), endpoints);
-            }
-            if config.events.engine == crate::config::EventEngine::Trtllm
-                && let Some(index) = router.index(&w.model)
-            {
-                let every = std::time::Duration::from_millis(config.events.trtllm.poll_interval_ms);
-                feeds.start_trtllm(id, index.clone(), every);
-            }
-        }
+        // Static workers and discovered ones go through the same reconciler.
+        let membership = Arc::new(Membership::new(config, router.clone(), feeds.clone()));
+        membership.reconcile(Membership::static_workers(config));
         let (grpc_addr, health_addr, metrics_addr) =
             (local(&grpc), local(&health), local(&metrics_l));
         let (shutdown, rx) = watch::channel(false);
@@ -272,18 +282,17 @@ impl Server {
                 tracing::error!(error = %e, "metrics server stopped");
             }
         }));
-        if config.engine_metrics.interval_ms > 0 {
-            let interval = std::time::Duration::from_millis(config.engine_metrics.interval_ms);
-            let stale = std::time::Duration::from_millis(config.engine_metrics.stale_after_ms);
-            for w in router.workers() {
-                let mut stop = rx.clone();
-                tasks.push(tokio::spawn(async move {
-                    tokio::select! {
-                        _ = crate::engine_metrics::scrape(w, interval, stale) => {}
-                        _ = stop.wait_for(|s| *s) => {}
-                    }
-                }));
-            }
+        if config.discovers_workers() {
+            let (run, mut stop) = (
+                crate::discovery::run(config.clone(), membership.clone(), readiness.clone()),
+                rx.clone(),
+            );
+            tasks.push(tokio::spawn(async move {
+                tokio::select! {
+                    _ = run => {}
+                    _ = stop.wait_for(|s| *s) => {}
+                }
+            }));
         }
         let mut peer_addr = None;
         let replica = replica.map(|(state, listener)| {
@@ -319,6 +328,7 @@ impl Server {
             readiness,
             replica,
             peer_addr,
+            membership,
             shutdown,
             tasks,
         })
@@ -330,6 +340,7 @@ impl Server {
         for t in self.tasks {
             let _ = t.await;
         }
+        self.membership.shutdown();
     }
 }
 

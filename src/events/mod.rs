@@ -58,6 +58,9 @@ pub struct Feeds {
     /// Set while a replica bootstraps: feeds asked for meanwhile wait here, to start from the
     /// sequence the snapshot reflects.
     held: Mutex<Option<HashMap<WorkerId, HeldFeed>>>,
+    /// Snapshot sequences of workers whose feeds were not asked for yet when the bootstrap
+    /// ended (e.g. discovery lagging behind): used when they start.
+    resume: Mutex<HashMap<WorkerId, u64>>,
     /// Single-reader sources are polled by their owner replica, which starts them itself.
     owned_elsewhere: std::sync::atomic::AtomicBool,
     counters: Arc<ApplyCounters>,
@@ -72,11 +75,15 @@ impl Feeds {
     /// Starts a feed for `worker` (replacing one with other endpoints). Needs a Tokio runtime.
     /// While held (see [`Feeds::hold`]), the feed waits for [`Feeds::release`].
     pub fn start(&self, worker: WorkerId, index: Arc<KvIndex>, endpoints: FeedEndpoints) {
-        if let Some(pending) = self.held.lock().as_mut() {
-            pending.insert(worker, (index, endpoints));
-            return;
-        }
-        self.start_at(worker, index, endpoints, None);
+        let resume = {
+            let mut held = self.held.lock();
+            if let Some(pending) = held.as_mut() {
+                pending.insert(worker, (index, endpoints));
+                return;
+            }
+            self.resume.lock().remove(&worker)
+        };
+        self.start_at(worker, index, endpoints, resume);
     }
 
     /// Starts a feed that expects `next_seq` as its first sequence (`None`: join like a new
@@ -121,7 +128,18 @@ impl Feeds {
 
     /// Starts the held feeds: each from the sequence in `next_seqs`, or as a new subscriber.
     pub fn release(&self, next_seqs: &HashMap<WorkerId, u64>) {
-        let pending = self.held.lock().take().unwrap_or_default();
+        let pending = {
+            // Under the hold lock, so a feed asked for meanwhile finds either the hold or its
+            // resume sequence.
+            let mut held = self.held.lock();
+            let pending = held.take().unwrap_or_default();
+            *self.resume.lock() = next_seqs
+                .iter()
+                .filter(|(w, _)| !pending.contains_key(w))
+                .map(|(w, s)| (*w, *s))
+                .collect();
+            pending
+        };
         for (worker, (index, endpoints)) in pending {
             let seq = next_seqs.get(&worker).copied();
             self.start_at(worker, index, endpoints, seq);

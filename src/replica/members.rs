@@ -19,6 +19,7 @@ use tonic::transport::{Channel, Endpoint};
 use super::ReplicaState;
 use super::pb;
 use crate::config::PeersConfig;
+use crate::discovery::ServiceEndpoints;
 
 /// A peer as last probed.
 #[derive(Clone, Debug)]
@@ -38,7 +39,7 @@ pub struct Members {
     own: u64,
     static_peers: Vec<String>,
     dns: Option<String>,
-    discovered: Mutex<Option<watch::Receiver<Vec<SocketAddr>>>>,
+    discovered: Mutex<Option<watch::Receiver<ServiceEndpoints>>>,
     table: Mutex<HashMap<SocketAddr, Member>>,
     own_addrs: Mutex<HashSet<SocketAddr>>,
     channels: Mutex<HashMap<SocketAddr, Channel>>,
@@ -64,8 +65,9 @@ impl Members {
         }
     }
 
-    /// Adds a live list of peer addresses (e.g. from Kubernetes EndpointSlices).
-    pub fn set_discovered(&self, rx: watch::Receiver<Vec<SocketAddr>>) {
+    /// Adds a live list of peer addresses: the EndpointSlices of kv-epp's own Service, ready or
+    /// not (a bootstrapping replica is not ready yet must be seen).
+    pub fn set_discovered(&self, rx: watch::Receiver<ServiceEndpoints>) {
         *self.discovered.lock() = Some(rx);
     }
 
@@ -98,6 +100,14 @@ impl Members {
             .into_iter()
             .find(|m| m.instance == instance)
             .map(|m| m.addr)
+    }
+
+    /// Whether the live address list (if any) has been listed at least once.
+    pub fn discovery_listed(&self) -> bool {
+        self.discovered
+            .lock()
+            .as_ref()
+            .is_none_or(|rx| rx.borrow().listed)
     }
 
     /// Completed probe rounds.
@@ -135,7 +145,8 @@ impl Members {
             }
         }
         if let Some(rx) = self.discovered.lock().as_ref() {
-            out.extend(rx.borrow().iter().copied());
+            let eps = rx.borrow();
+            out.extend(eps.ready.iter().chain(&eps.not_ready).copied());
         }
         let own = self.own_addrs.lock();
         out.retain(|a| !own.contains(a));

@@ -259,9 +259,9 @@ async fn bootstrap(state: &Arc<ReplicaState>) {
     }
 }
 
-/// Whether discovery has had at least one complete round.
+/// Whether peer discovery has listed its sources and probed them twice.
 fn view_settled(state: &ReplicaState) -> bool {
-    state.members.rounds() >= 2
+    state.members.discovery_listed() && state.members.rounds() >= 2
 }
 
 #[cfg(test)]

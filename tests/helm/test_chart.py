@@ -365,7 +365,13 @@ def test_config_file_matches_the_values(chart):
         "metrics_port": 9090,
         "secure_serving": True,
     }
-    assert cfg["pool"] == {"name": RELEASE, "namespace": NAMESPACE}
+    assert cfg["pool"] == {
+        "name": RELEASE,
+        "namespace": NAMESPACE,
+        "api_version": "v1",
+        "model_label": "kv-epp.io/model",
+        "api_unreachable_timeout_ms": 30000,
+    }
     assert cfg["events"] == {"engine": "vllm", "zmq": {"port": 6000, "replay_port": 0, "topic": "kv"}}
     # The file is mounted where --config-file points.
     mount = next(m for m in r.container["volumeMounts"] if m["name"] == "config")
@@ -525,6 +531,25 @@ def test_older_pool_api(chart):
     }
 
 
+def test_discovery_settings_follow_the_pool_and_the_values(chart):
+    """kv-epp watches the API version the pool is written in (no 404 fallback guesswork), and
+    the discovery keys reach the config file."""
+    values = merged(
+        {
+            "inferencePool": {"apiVersion": "inference.networking.x-k8s.io/v1alpha2"},
+            "config": {"pool": {"model_label": "example.com/model", "api_unreachable_timeout_ms": 5000}},
+        }
+    )
+    assert render(chart, values).config["pool"] == {
+        "name": RELEASE,
+        "namespace": NAMESPACE,
+        "api_version": "v1alpha2",
+        "model_label": "example.com/model",
+        "api_unreachable_timeout_ms": 5000,
+    }
+    assert render(chart, BASE).config["workers"] == [], "no static workers: the pool's pods are discovered"
+
+
 def test_http_route_sends_the_gateway_to_the_pool(chart):
     r = render(
         chart,
@@ -599,6 +624,9 @@ def test_event_engine_follows_the_model_server(chart, server, engine, expected):
         ({"config": {"models": [{"name": "m", "block_size": 0}]}}, "/config/models/0/block_size", "minimum"),
         ({"config": {"workers": [{"endpoint": "vllm-0:8000", "model": "m"}]}}, "/config/workers/0/endpoint", "pattern"),
         ({"config": {"events": {"engine": "kafka"}}}, "/config/events/engine", "trtllm"),
+        ({"config": {"pool": {"api_unreachable_timeout_ms": 0}}}, "/config/pool/api_unreachable_timeout_ms", "minimum"),
+        ({"config": {"pool": {"model_label": ""}}}, "/config/pool/model_label", "minLength"),
+        ({"config": {"pool": {"name": "x"}}}, "/config/pool", "'name' not allowed"),
         ({"experimentalHttpRoute": {"requestTimeout": "forever"}}, "/experimentalHttpRoute/requestTimeout", "pattern"),
     ],
 )

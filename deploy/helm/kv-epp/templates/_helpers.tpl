@@ -174,7 +174,12 @@ file never disagree. */}}
 {{- end }}
 {{- $out := dict
       "server" $server
-      "pool" (dict "name" (include "kv-epp.poolName" .) "namespace" .Release.Namespace)
+      "pool" (dict
+        "name" (include "kv-epp.poolName" .)
+        "namespace" .Release.Namespace
+        "api_version" (ternary "v1alpha2" "v1" (hasPrefix "inference.networking.x-k8s.io/" .Values.inferencePool.apiVersion))
+        "model_label" $c.pool.model_label
+        "api_unreachable_timeout_ms" (int64 $c.pool.api_unreachable_timeout_ms))
       "routing" $c.routing
       "scoring" $c.scoring
       "salt" $salt

@@ -1,0 +1,297 @@
+//! Worker membership: from the set of workers that should exist (static configuration or
+//! discovery) to the running state of each one — the router's worker list, the model's index,
+//! the event feed or TensorRT-LLM poller, and the engine-metrics scraper.
+//!
+//! [`Membership::reconcile`] is the one code path for both sources: it adds what is new, removes
+//! what vanished, and replaces a worker whose model or event endpoints changed. Removal is
+//! complete: the worker leaves routing, its feed stops, its scraper is aborted and its blocks
+//! leave the index, so no block of a vanished worker is ever credited again (a feed task still
+//! finishing a batch cannot write either: the index refuses unregistered workers).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::task::JoinHandle;
+
+use crate::config::{Config, EventEngine};
+use crate::events::Feeds;
+use crate::events::subscriber::FeedEndpoints;
+use crate::router::Router;
+use crate::worker::WorkerId;
+
+/// One worker that should exist.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DesiredWorker {
+    /// The worker (endpoint and data-parallel rank).
+    pub id: WorkerId,
+    /// The configured model it serves.
+    pub model: String,
+    /// Where it publishes vLLM/SGLang KV events (`None`: no ZeroMQ feed).
+    pub feed: Option<FeedEndpoints>,
+}
+
+impl DesiredWorker {
+    /// A worker with the event endpoints the configuration derives for it (`overrides` are a
+    /// static worker's explicit endpoints).
+    pub fn from_config(
+        config: &Config,
+        id: WorkerId,
+        model: &str,
+        overrides: Option<&crate::config::StaticWorker>,
+    ) -> DesiredWorker {
+        DesiredWorker {
+            id,
+            model: model.to_owned(),
+            feed: config.feed_endpoints(&id, overrides),
+        }
+    }
+}
+
+/// What one [`Membership::reconcile`] call changed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Changes {
+    /// Workers started (including replaced ones).
+    pub added: Vec<WorkerId>,
+    /// Workers stopped (including replaced ones).
+    pub removed: Vec<WorkerId>,
+}
+
+impl Changes {
+    /// Whether nothing changed.
+    pub fn is_empty(&self) -> bool {
+        self.added.is_empty() && self.removed.is_empty()
+    }
+}
+
+/// How workers' companions are run.
+#[derive(Clone, Debug)]
+struct Settings {
+    engine: EventEngine,
+    trtllm_interval: Duration,
+    /// Scrape interval and staleness of engine metrics (`None`: no scraping).
+    scrape: Option<(Duration, Duration)>,
+}
+
+/// The running workers and their companions (feeds, pollers, scrapers).
+pub struct Membership {
+    router: Arc<Router>,
+    feeds: Arc<Feeds>,
+    settings: Settings,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    current: BTreeMap<WorkerId, DesiredWorker>,
+    scrapers: BTreeMap<WorkerId, JoinHandle<()>>,
+}
+
+impl Membership {
+    /// An empty membership over `router` and `feeds`, run as `config` says.
+    pub fn new(config: &Config, router: Arc<Router>, feeds: Arc<Feeds>) -> Membership {
+        let em = &config.engine_metrics;
+        Membership {
+            router,
+            feeds,
+            settings: Settings {
+                engine: config.events.engine,
+                trtllm_interval: Duration::from_millis(config.events.trtllm.poll_interval_ms),
+                scrape: (em.interval_ms > 0).then(|| {
+                    (
+                        Duration::from_millis(em.interval_ms),
+                        Duration::from_millis(em.stale_after_ms),
+                    )
+                }),
+            },
+            state: Mutex::new(State::default()),
+        }
+    }
+
+    /// The statically configured workers, as desired workers.
+    pub fn static_workers(config: &Config) -> Vec<DesiredWorker> {
+        config
+            .workers
+            .iter()
+            .map(|w| DesiredWorker::from_config(config, w.id(), &w.model, Some(w)))
+            .collect()
+    }
+
+    /// Makes the running workers exactly `desired` (later duplicates of an id are ignored).
+    /// Workers of an unknown model are skipped with a warning. Needs a Tokio runtime.
+    pub fn reconcile(&self, desired: Vec<DesiredWorker>) -> Changes {
+        let mut wanted = BTreeMap::new();
+        for w in desired {
+            if self.router.index(&w.model).is_none() {
+                tracing::warn!(worker = %w.id, model = %w.model, "skipping a worker of an unconfigured model");
+                continue;
+            }
+            wanted.entry(w.id).or_insert(w);
+        }
+        let mut state = self.state.lock();
+        let mut changes = Changes::default();
+        let stale: Vec<WorkerId> = state
+            .current
+            .iter()
+            .filter(|(id, w)| wanted.get(*id) != Some(*w))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in stale {
+            self.stop(&mut state, &id);
+            changes.removed.push(id);
+        }
+        for (id, w) in wanted {
+            if !state.current.contains_key(&id) {
+                self.start(&mut state, w);
+                changes.added.push(id);
+            }
+        }
+        if !changes.is_empty() {
+            tracing::info!(added = ?changes.added, removed = ?changes.removed, "workers changed");
+        }
+        changes
+    }
+
+    /// The router workers are added to.
+    pub fn router(&self) -> &Arc<Router> {
+        &self.router
+    }
+
+    /// The workers currently running.
+    pub fn workers(&self) -> Vec<DesiredWorker> {
+        self.state.lock().current.values().cloned().collect()
+    }
+
+    /// Stops every worker's companions (the router keeps its list). Called at shutdown.
+    pub fn shutdown(&self) {
+        let mut state = self.state.lock();
+        for task in std::mem::take(&mut state.scrapers).into_values() {
+            task.abort();
+        }
+        for id in state.current.keys() {
+            self.feeds.stop(id);
+        }
+    }
+
+    fn start(&self, state: &mut State, w: DesiredWorker) {
+        self.router.add_worker(w.id, &w.model);
+        if let Some(index) = self.router.index(&w.model) {
+            match (&w.feed, self.settings.engine) {
+                (Some(endpoints), EventEngine::Vllm | EventEngine::Sglang) => {
+                    self.feeds.start(w.id, index.clone(), endpoints.clone());
+                }
+                (_, EventEngine::Trtllm) => {
+                    self.feeds
+                        .start_trtllm(w.id, index.clone(), self.settings.trtllm_interval);
+                }
+                _ => {}
+            }
+        }
+        if let Some((interval, stale)) = self.settings.scrape
+            && let Some(rt) = self.router.workers().into_iter().find(|r| r.id == w.id)
+        {
+            let task = tokio::spawn(crate::engine_metrics::scrape(rt, interval, stale));
+            if let Some(old) = state.scrapers.insert(w.id, task) {
+                old.abort();
+            }
+        }
+        state.current.insert(w.id, w);
+    }
+
+    fn stop(&self, state: &mut State, id: &WorkerId) {
+        self.feeds.stop(id);
+        if let Some(task) = state.scrapers.remove(id) {
+            task.abort();
+        }
+        self.router.remove_worker(id);
+        state.current.remove(id);
+    }
+}
+
+impl Drop for Membership {
+    fn drop(&mut self) {
+        for (_, task) in std::mem::take(&mut self.state.get_mut().scrapers) {
+            task.abort();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::Metrics;
+
+    fn setup(yaml: &str) -> (Config, Arc<Router>, Arc<Feeds>, Membership) {
+        let config = Config::from_yaml(yaml).unwrap();
+        config.validate().unwrap();
+        let router = Arc::new(Router::new(&config, Arc::new(Metrics::new())));
+        let feeds = Arc::new(Feeds::default());
+        let m = Membership::new(&config, router.clone(), feeds.clone());
+        (config, router, feeds, m)
+    }
+
+    fn id(s: &str) -> WorkerId {
+        s.parse().unwrap()
+    }
+
+    #[tokio::test]
+    async fn adds_removes_and_replaces_workers_everywhere() {
+        let (config, router, feeds, m) = setup(
+            "models: [{name: a, block_size: 4}, {name: b, block_size: 4}]\nengine_metrics: {interval_ms: 0}\n",
+        );
+        let w = |s: &str, model: &str| DesiredWorker::from_config(&config, id(s), model, None);
+        let c = m.reconcile(vec![w("127.0.0.1:8000", "a"), w("127.0.0.1:8001#1", "a")]);
+        assert_eq!(c.added.len(), 2);
+        assert_eq!(router.workers().len(), 2);
+        assert_eq!(router.index("a").unwrap().workers().len(), 2);
+        let eps: Vec<String> = feeds
+            .statuses()
+            .into_iter()
+            .map(|(_, e, _)| e.events)
+            .collect();
+        assert!(eps.contains(&"tcp://127.0.0.1:5558".to_owned()), "{eps:?}");
+
+        // Same set: nothing changes. Unknown model: skipped.
+        let c = m.reconcile(vec![
+            w("127.0.0.1:8000", "a"),
+            w("127.0.0.1:8001#1", "a"),
+            w("127.0.0.1:9000", "nope"),
+        ]);
+        assert!(c.is_empty(), "{c:?}");
+
+        // One vanishes, one changes model: removed from router, index and feeds.
+        let c = m.reconcile(vec![w("127.0.0.1:8000", "b")]);
+        assert_eq!(c.removed.len(), 2);
+        assert_eq!(c.added, vec![id("127.0.0.1:8000")]);
+        let ids: Vec<_> = router
+            .workers()
+            .iter()
+            .map(|w| (w.id, w.model.clone()))
+            .collect();
+        assert_eq!(ids, vec![(id("127.0.0.1:8000"), "b".to_owned())]);
+        assert!(router.index("a").unwrap().workers().is_empty());
+        assert_eq!(
+            router.index("b").unwrap().workers(),
+            vec![id("127.0.0.1:8000")]
+        );
+        assert_eq!(feeds.statuses().len(), 1);
+
+        m.reconcile(Vec::new());
+        assert!(router.workers().is_empty() && feeds.statuses().is_empty());
+        assert!(m.workers().is_empty());
+    }
+
+    #[tokio::test]
+    async fn static_workers_take_the_same_path() {
+        let (config, router, feeds, m) = setup(
+            "models: [{name: a, block_size: 4}]\nworkers: [{endpoint: '127.0.0.1:8000', model: a, events_endpoint: 'tcp://127.0.0.1:7000'}]\nevents: {engine: trtllm}\n",
+        );
+        m.reconcile(Membership::static_workers(&config));
+        assert_eq!(router.workers().len(), 1);
+        assert_eq!(feeds.poll_statuses().len(), 1, "trtllm workers are polled");
+        assert!(feeds.statuses().is_empty());
+        m.shutdown();
+        assert!(feeds.poll_statuses().is_empty());
+    }
+}

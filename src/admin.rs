@@ -257,7 +257,7 @@ async fn replica(State(s): State<AdminState>) -> Response {
             json!({
                 "worker": w.to_string(),
                 "owner": r.owner_of(w).map(hex),
-                "polling": s.feeds.is_polling(w),
+                "polling": s.feeds.is_owned_here(w),
             })
         })
         .collect();

@@ -70,6 +70,8 @@ pub struct PeersConfig {
     pub snapshot_chunk_blocks: u32,
     /// Relayed batches a replica keeps for peers that reconnect.
     pub relay_log_batches: usize,
+    /// ...and at most this many encoded bytes of them.
+    pub relay_log_bytes: usize,
 }
 
 impl Default for PeersConfig {
@@ -85,6 +87,7 @@ impl Default for PeersConfig {
             max_message_bytes: 4 << 20,
             snapshot_chunk_blocks: 16_384,
             relay_log_batches: 65_536,
+            relay_log_bytes: 256 << 20,
         }
     }
 }

@@ -179,6 +179,13 @@ impl Server {
             }
             false => None,
         };
+        if config.discovers_workers() {
+            readiness.set(
+                crate::discovery::READINESS_CONDITION,
+                false,
+                "the InferencePool and its pods are not listed yet",
+            );
+        }
         // Static workers and discovered ones go through the same reconciler.
         let membership = Arc::new(Membership::new(config, router.clone(), feeds.clone()));
         membership.reconcile(Membership::static_workers(config));

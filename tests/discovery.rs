@@ -787,3 +787,94 @@ async fn discovery_works_over_https_with_the_clusters_ca() {
         .unwrap();
     assert!(client.apiserver_version().await.is_err());
 }
+
+/// Two replicas on Kubernetes: workers come from the InferencePool, peers from the EndpointSlices
+/// of kv-epp's own Service (the joining replica is listed not-ready). The second replica copies
+/// the first one's index and agrees with it; its readiness waits for that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_finds_its_peer_through_endpoint_slices_and_bootstraps() {
+    let events_port = common::free_port();
+    let sim = sim_worker(events_port).await;
+    let fake = FakeKube::start().await;
+    fake.put(
+        Res::PoolV1,
+        NS,
+        pool_v1(POOL, app("vllm"), &[sim.http_addr.port()]),
+    );
+    fake.put(Res::Pods, NS, pod("sim", "127.0.0.1", true, app("vllm")));
+    let peer_port = common::free_port();
+    let rest = format!(
+        "events: {{engine: vllm, zmq: {{port: {events_port}, replay_port: 0}}}}\n\
+         peers: {{service: kv-epp-peers, port: {peer_port}, probe_interval_ms: 100}}\n"
+    );
+    // Each replica has its own loopback address; both listen on the same peer port, as pods do.
+    let slice = |b_ready: Option<bool>| {
+        let mut eps = vec![("127.0.0.71", true)];
+        if let Some(r) = b_ready {
+            eps.push(("127.0.0.72", r));
+        }
+        endpoint_slice("kv-epp-peers-x", "kv-epp-peers", ("peer", peer_port), &eps)
+    };
+    fake.put(Res::EndpointSlices, NS, slice(None));
+    let mut ca = config(&fake, "peer-a", "", &rest);
+    ca.server.bind_address = "127.0.0.71".parse().unwrap();
+    let a = Server::start(&ca).await.unwrap();
+    let ra = a.replica.clone().unwrap();
+    assert!(
+        common::eventually(DEADLINE_SECS, || ra.is_ready()).await,
+        "a starts alone"
+    );
+    let worker = sim.http_addr.to_string();
+    expect_workers(&a, &[&worker]).await;
+    // Traffic until a credits the worker's blocks.
+    let deadline = std::time::Instant::now() + Duration::from_secs(DEADLINE_SECS);
+    for i in 0u32.. {
+        let tokens: Vec<u32> = (0..16).map(|t| 1000 * (i + 1) + t).collect();
+        let body = json!({"model": "m", "prompt": tokens, "max_tokens": 1}).to_string();
+        let r = common::http(
+            sim.http_addr,
+            "POST",
+            "/v1/completions",
+            &[],
+            body.as_bytes(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(r.status, 200);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if i >= 3 && believed(&a, sim.http_addr, &tokens).await >= 12 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a never credited the worker"
+        );
+    }
+    let index_a = a.router.index("m").unwrap().clone();
+    assert!(index_a.digest().1 > 0);
+
+    fake.put(Res::EndpointSlices, NS, slice(Some(false)));
+    let mut cb = config(&fake, "peer-b", "", &rest);
+    cb.server.bind_address = "127.0.0.72".parse().unwrap();
+    let b = Server::start(&cb).await.unwrap();
+    let rb = b.replica.clone().unwrap();
+    assert!(
+        common::eventually(DEADLINE_SECS, || rb.is_ready()).await,
+        "b bootstraps"
+    );
+    use std::sync::atomic::Ordering::Relaxed;
+    assert!(
+        rb.counters.blocks_restored.load(Relaxed) > 0,
+        "b copied a's index"
+    );
+    assert_eq!(ra.counters.snapshots_served.load(Relaxed), 1);
+    let index_b = b.router.index("m").unwrap().clone();
+    assert!(
+        common::eventually(DEADLINE_SECS, || index_a.digest() == index_b.digest()).await,
+        "digests agree: {:?} vs {:?}",
+        index_a.digest(),
+        index_b.digest()
+    );
+    b.stop().await;
+    a.stop().await;
+}

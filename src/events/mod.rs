@@ -205,8 +205,8 @@ impl Feeds {
         sink: Arc<dyn trtllm::EventSink>,
     ) {
         let mut pollers = self.pollers.lock();
-        if pollers.contains_key(&worker) {
-            return;
+        if pollers.get(&worker).is_some_and(|p| !p.task.is_finished()) {
+            return; // polling, or finishing its last drain
         }
         let status = Arc::new(trtllm::PollStatus::default());
         let task = tokio::spawn(trtllm::poll(
@@ -220,22 +220,41 @@ impl Feeds {
         pollers.insert(worker, Poller { status, task });
     }
 
-    /// Stops polling a single-reader source (it stays registered).
+    /// Stops polling a single-reader source (it stays registered). A drain in flight is
+    /// finished and delivered first: aborting it would lose events the engine already forgot.
     pub fn stop_polling(&self, worker: &WorkerId) {
-        if let Some(p) = self.pollers.lock().remove(worker) {
-            p.task.abort();
+        if let Some(p) = self.pollers.lock().get(worker) {
+            p.status
+                .stop
+                .store(true, std::sync::atomic::Ordering::Release);
         }
     }
 
-    /// Whether this replica polls `worker`.
+    /// Whether this replica polls `worker` (or is finishing its last drain).
     pub fn is_polling(&self, worker: &WorkerId) -> bool {
-        self.pollers.lock().contains_key(worker)
+        let mut pollers = self.pollers.lock();
+        match pollers.get(worker) {
+            Some(p) if p.task.is_finished() => {
+                pollers.remove(worker);
+                false
+            }
+            Some(_) => true,
+            None => false,
+        }
     }
 
-    /// The status of every TensorRT-LLM poller.
+    /// Whether this replica is asked to poll `worker` (not stopping).
+    pub fn is_owned_here(&self, worker: &WorkerId) -> bool {
+        self.pollers.lock().get(worker).is_some_and(|p| {
+            !p.task.is_finished() && !p.status.stop.load(std::sync::atomic::Ordering::Acquire)
+        })
+    }
+
+    /// The status of every TensorRT-LLM poller (including ones finishing their last drain).
     pub fn poll_statuses(&self) -> Vec<(WorkerId, Arc<trtllm::PollStatus>)> {
-        self.pollers
-            .lock()
+        let mut pollers = self.pollers.lock();
+        pollers.retain(|_, p| !p.task.is_finished());
+        pollers
             .iter()
             .map(|(w, p)| (*w, p.status.clone()))
             .collect()
@@ -250,7 +269,10 @@ impl Feeds {
             pending.remove(worker);
         }
         self.single_readers.lock().remove(worker);
-        self.stop_polling(worker);
+        // The worker is gone: nothing of its drain matters any more.
+        if let Some(p) = self.pollers.lock().remove(worker) {
+            p.task.abort();
+        }
     }
 
     /// The status of every feed.

@@ -27,7 +27,7 @@ const REPLAY_END: u64 = u64::MAX;
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long to wait for the replay socket to accept a connection (the worker's other events
 /// wait meanwhile, so keep it short).
-const REPLAY_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+const REPLAY_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Where a worker publishes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -121,7 +121,9 @@ impl Feed {
     fn apply_at(&self, seq: u64, payload: &[u8]) {
         let _g = self.apply_lock.lock();
         self.apply_payload(payload);
-        self.status.next_seq.store(seq + 1, Ordering::Relaxed);
+        self.status
+            .next_seq
+            .store(seq.saturating_add(1), Ordering::Relaxed);
     }
 
     /// Applies one payload (already sequence-checked).
@@ -207,7 +209,7 @@ impl Feed {
             }
         }
         self.apply_at(seq, payload);
-        *expected = Some(seq + 1);
+        *expected = Some(seq.saturating_add(1));
     }
 
     /// Replays `from..until` through the engine's replay socket, applying batches in order.
@@ -260,7 +262,7 @@ impl Feed {
                 ));
             }
             self.apply_at(seq, payload);
-            next = seq + 1;
+            next = seq.saturating_add(1);
         }
     }
 }

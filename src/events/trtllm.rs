@@ -40,6 +40,9 @@ pub struct PollStatus {
     pub failures: AtomicU64,
     /// Events applied.
     pub applied: AtomicU64,
+    /// Asked to stop: the poller finishes the drain in flight (the engine already forgot those
+    /// events), delivers it, and ends.
+    pub stop: AtomicBool,
 }
 
 fn hash(v: &Value) -> Option<EngineBlockHash> {
@@ -189,6 +192,9 @@ pub async fn poll(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
+        if status.stop.load(Ordering::Acquire) {
+            return;
+        }
         let r = httpc::request(
             worker.endpoint,
             "POST",

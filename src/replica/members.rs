@@ -32,6 +32,10 @@ pub struct Member {
     pub ready: bool,
     /// When it last answered.
     pub last_ok: Instant,
+    /// The single-reader sources it polls (as `ip:port#rank` strings).
+    pub polling: Vec<String>,
+    /// The relay sequence of its next own batch.
+    pub relay_next: u64,
 }
 
 /// The peer table.
@@ -138,10 +142,27 @@ impl Members {
 
     async fn addresses(&self) -> Vec<SocketAddr> {
         let mut out = HashSet::new();
-        for name in self.static_peers.iter().chain(self.dns.iter()) {
-            match tokio::net::lookup_host(name.as_str()).await {
-                Ok(addrs) => out.extend(addrs),
-                Err(e) => tracing::debug!(peer = %name, error = %e, "peer address did not resolve"),
+        // Resolved together and with a deadline: one slow name must not stall the probe round
+        // (every peer would look gone and this replica would take over every source).
+        let lookups = self
+            .static_peers
+            .iter()
+            .chain(self.dns.iter())
+            .map(|name| async move {
+                let r = tokio::time::timeout(
+                    Duration::from_secs(1),
+                    tokio::net::lookup_host(name.as_str()),
+                )
+                .await;
+                (name, r)
+            });
+        for (name, r) in futures_util::future::join_all(lookups).await {
+            match r {
+                Ok(Ok(addrs)) => out.extend(addrs),
+                Ok(Err(e)) => {
+                    tracing::debug!(peer = %name, error = %e, "peer address did not resolve")
+                }
+                Err(_) => tracing::debug!(peer = %name, "peer address lookup timed out"),
             }
         }
         if let Some(rx) = self.discovered.lock().as_ref() {
@@ -206,6 +227,8 @@ pub async fn probe_loop(state: Arc<ReplicaState>) {
                             instance: reply.instance,
                             ready: reply.ready,
                             last_ok: now,
+                            polling: reply.polling,
+                            relay_next: reply.relay_next,
                         },
                     );
                     if prev.as_ref().map(|p| (p.instance, p.ready))

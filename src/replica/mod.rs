@@ -94,12 +94,15 @@ impl ReplicaState {
             }
         };
         let token = match token {
-            Some(t) if !t.trim().is_empty() => Some(
+            Some(t) if t.trim().is_empty() => {
+                return Err("the peer token file is empty".into());
+            }
+            Some(t) => Some(
                 format!("Bearer {}", t.trim())
                     .parse()
                     .map_err(|_| "the peer token must be printable ASCII".to_string())?,
             ),
-            _ => {
+            None => {
                 tracing::warn!(
                     "no peer token configured: the peer API accepts unauthenticated calls"
                 );
@@ -113,6 +116,8 @@ impl ReplicaState {
             instance,
             router.clone(),
             config.relay_log_batches,
+            config.relay_log_bytes,
+            config.max_message_bytes / 2,
         ));
         Ok(Arc::new(ReplicaState {
             instance,
@@ -210,6 +215,17 @@ async fn bootstrap(state: &Arc<ReplicaState>) {
     // Give discovery and the first probes a moment before concluding there is nobody.
     let settle = state.started + interval * 4;
     loop {
+        // With Kubernetes discovery, the workers must be known before their state is copied
+        // (a snapshot's workers this replica does not run are skipped).
+        let discovering = state
+            .readiness
+            .unmet()
+            .iter()
+            .any(|(n, _)| *n == crate::discovery::READINESS_CONDITION);
+        if discovering && Instant::now() < deadline {
+            tokio::time::sleep(interval).await;
+            continue;
+        }
         let view = state.members.view();
         for peer in view.iter().filter(|p| p.ready) {
             match snapshot::fetch(state, peer.addr).await {

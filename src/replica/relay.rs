@@ -7,20 +7,31 @@
 //! batch once, in order: a batch below the position it holds for that origin is a duplicate and
 //! skipped. Ownership moves when the ready set changes; a new owner waits three probe intervals
 //! before its first poll, so the previous owner (which stops as soon as it sees the new one) has
-//! relayed its last drain first. Events the owner drained are lost only if it dies before
-//! relaying them; then no survivor applied them either, so survivors still agree.
+//! relayed its last drain first; on top of that it polls only once no ready peer reports polling
+//! the worker and it has applied everything each ready peer had originated at that probe. A
+//! poller that loses ownership finishes its drain in flight (the engine already forgot it) and
+//! relays it before stopping.
 //!
-//! A peer that falls further behind than the log keeps (`peers.relay_log_batches`) gets a reset:
-//! it drops the state of the relayed workers it does not poll itself (they go cold, as with an
+//! When an origin dies, survivors may each have received a different prefix of its stream: every
+//! replica keeps the tail of what it applied from each origin, and when an origin disappears each
+//! survivor asks its live peers for that origin's batches beyond its own position (`Relay` with
+//! `of_origin`), so all survivors end at the longest prefix anyone received. Events the owner
+//! drained but relayed to nobody are lost with it, and no survivor applied them.
+//!
+//! Drains larger than half the peer message limit are split (a long stored sequence continues
+//! from its last block through `parent`), so a batch always fits a message. The log is bounded by
+//! `peers.relay_log_batches` and `peers.relay_log_bytes`. A peer that falls further behind gets a
+//! reset: it drops the state of the workers that origin relayed (they go cold, as with an
 //! unfillable gap in a ZeroMQ stream) and continues from the oldest batch kept.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
+use prost::Message;
 use tokio::sync::watch;
 
 use super::ReplicaState;
@@ -46,15 +57,28 @@ pub struct RelayCounters {
     pub resets: AtomicU64,
     /// Relayed batches naming a model or worker this replica cannot place.
     pub unplaced: AtomicU64,
+    /// Batches of vanished origins obtained from surviving peers.
+    pub caught_up: AtomicU64,
 }
+
+/// Batches kept per other origin for survivors' catch-up.
+const RELAYED_TAIL: usize = 1024;
+/// Other origins whose tails are kept.
+const RELAYED_ORIGINS: usize = 16;
 
 struct HubState {
     /// Other origins → next relay sequence expected from them.
     positions: HashMap<u64, u64>,
-    /// This replica's own batches, oldest first.
+    /// This replica's own batches, oldest first, and their encoded bytes.
     log: VecDeque<Arc<pb::RelayBatch>>,
+    log_bytes: usize,
     /// The sequence of this replica's next batch.
     next_seq: u64,
+    /// The tail of what was applied from each other origin (oldest origins evicted first).
+    relayed: HashMap<u64, VecDeque<Arc<pb::RelayBatch>>>,
+    relayed_order: VecDeque<u64>,
+    /// The workers each origin relayed: what a reset of that origin drops.
+    origin_workers: HashMap<u64, HashSet<WorkerId>>,
 }
 
 /// The relay: this replica's log and what it applied from others.
@@ -62,6 +86,8 @@ pub struct RelayHub {
     instance: u64,
     router: Arc<Router>,
     cap: usize,
+    cap_bytes: usize,
+    max_batch_bytes: usize,
     state: Mutex<HubState>,
     /// The next sequence of the log, for streams waiting on new batches.
     tail: watch::Sender<u64>,
@@ -81,16 +107,29 @@ pub enum Applied {
 }
 
 impl RelayHub {
-    /// An empty hub.
-    pub fn new(instance: u64, router: Arc<Router>, cap: usize) -> RelayHub {
+    /// An empty hub keeping up to `cap` batches and `cap_bytes` bytes of its own, with batches of
+    /// at most `max_batch_bytes` encoded.
+    pub fn new(
+        instance: u64,
+        router: Arc<Router>,
+        cap: usize,
+        cap_bytes: usize,
+        max_batch_bytes: usize,
+    ) -> RelayHub {
         RelayHub {
             instance,
             router,
             cap: cap.max(1),
+            cap_bytes,
+            max_batch_bytes: max_batch_bytes.max(1024),
             state: Mutex::new(HubState {
                 positions: HashMap::new(),
                 log: VecDeque::new(),
+                log_bytes: 0,
                 next_seq: 0,
+                relayed: HashMap::new(),
+                relayed_order: VecDeque::new(),
+                origin_workers: HashMap::new(),
             }),
             tail: watch::channel(0).0,
             counters: RelayCounters::default(),
@@ -135,7 +174,8 @@ impl RelayHub {
             .map(|w| w.model.clone())
     }
 
-    /// Applies one drain of a source this replica owns and appends it to the log.
+    /// Applies one drain of a source this replica owns and appends it to the log (split into
+    /// batches that fit a peer message).
     pub fn originate(&self, worker: &WorkerId, events: Vec<NormEvent>) {
         let Some(model) = self.model_of(worker) else {
             self.counters.unplaced.fetch_add(1, Ordering::Relaxed);
@@ -151,25 +191,39 @@ impl RelayHub {
                 tracing::debug!(%worker, error = %e, "owned KV event not applied");
             }
         }
-        let batch = pb::RelayBatch {
-            origin: self.instance,
-            seq: st.next_seq,
-            reset: false,
-            model,
-            endpoint: worker.endpoint.to_string(),
-            dp_rank: worker.dp_rank,
-            events: events.iter().map(to_pb).collect(),
-            keepalive: false,
-        };
-        st.log.push_back(Arc::new(batch));
-        if st.log.len() > self.cap {
-            st.log.pop_front();
+        for events in split(events, self.max_batch_bytes) {
+            let batch = pb::RelayBatch {
+                origin: self.instance,
+                seq: st.next_seq,
+                reset: false,
+                model: model.clone(),
+                endpoint: worker.endpoint.to_string(),
+                dp_rank: worker.dp_rank,
+                events,
+                keepalive: false,
+            };
+            st.log_bytes += batch.encoded_len();
+            st.log.push_back(Arc::new(batch));
+            while st.log.len() > 1 && (st.log.len() > self.cap || st.log_bytes > self.cap_bytes) {
+                if let Some(old) = st.log.pop_front() {
+                    st.log_bytes -= old.encoded_len();
+                }
+            }
+            st.next_seq += 1;
+            self.counters.originated.fetch_add(1, Ordering::Relaxed);
         }
-        st.next_seq += 1;
         let next = st.next_seq;
         drop(st);
-        self.counters.originated.fetch_add(1, Ordering::Relaxed);
         self.tail.send_replace(next);
+    }
+
+    /// The batches of another origin this replica applied, from `from` on (what it keeps).
+    pub fn read_origin(&self, origin: u64, from: u64) -> Vec<Arc<pb::RelayBatch>> {
+        let st = self.state.lock();
+        st.relayed
+            .get(&origin)
+            .map(|q| q.iter().filter(|b| b.seq >= from).cloned().collect())
+            .unwrap_or_default()
     }
 
     /// Up to `max` logged batches from `from` on, and the sequence of the oldest kept.
@@ -191,9 +245,9 @@ impl RelayHub {
         self.tail.subscribe()
     }
 
-    /// Applies a batch relayed by a peer, once. `not_mine`: the relayed workers whose state a
-    /// reset drops (those this replica does not poll itself).
-    pub fn apply_relayed(&self, b: &pb::RelayBatch, not_mine: &[WorkerId]) -> Applied {
+    /// Applies a batch relayed by a peer, once. `mine`: the workers this replica polls itself
+    /// (a reset never drops them).
+    pub fn apply_relayed(&self, b: &pb::RelayBatch, mine: &[WorkerId]) -> Applied {
         let mut st = self.state.lock();
         let pos = st.positions.get(&b.origin).copied();
         let in_order = match pos {
@@ -212,21 +266,27 @@ impl RelayHub {
             tracing::warn!(
                 expected = ?pos,
                 got = b.seq,
-                "relay could not resume where it left off; dropping relayed workers' state"
+                "relay could not resume where it left off; dropping the state of that origin's workers"
             );
-            for w in not_mine {
-                if let Some(m) = self.model_of(w)
+            for w in st.origin_workers.remove(&b.origin).unwrap_or_default() {
+                if mine.contains(&w) {
+                    continue;
+                }
+                if let Some(m) = self.model_of(&w)
                     && let Some(index) = self.router.index(&m)
                 {
-                    let _ = index.clear_worker(w);
+                    let _ = index.clear_worker(&w);
                 }
             }
             Applied::AfterReset
         };
-        st.positions.insert(b.origin, b.seq + 1);
+        st.positions.insert(b.origin, b.seq.saturating_add(1));
         match self.place(b) {
             Some((worker, index)) => {
-                index.add_worker(worker);
+                st.origin_workers
+                    .entry(b.origin)
+                    .or_default()
+                    .insert(worker);
                 for ev in &b.events {
                     match from_pb(ev) {
                         Some(ev) => {
@@ -244,15 +304,35 @@ impl RelayHub {
                 self.counters.unplaced.fetch_add(1, Ordering::Relaxed);
             }
         }
+        if !st.relayed.contains_key(&b.origin) {
+            st.relayed_order.push_back(b.origin);
+            while st.relayed_order.len() > RELAYED_ORIGINS {
+                if let Some(old) = st.relayed_order.pop_front() {
+                    st.relayed.remove(&old);
+                }
+            }
+        }
+        let tail = st.relayed.entry(b.origin).or_default();
+        tail.push_back(Arc::new(b.clone()));
+        if tail.len() > RELAYED_TAIL {
+            tail.pop_front();
+        }
         drop(st);
         self.counters.applied.fetch_add(1, Ordering::Relaxed);
         outcome
     }
 
+    /// The worker and index a relayed batch is for: only workers this replica runs (a batch
+    /// for a worker that left, or that discovery has not listed yet, is skipped and counted:
+    /// at worst under-credit, never stale credit for a reused address).
     fn place(&self, b: &pb::RelayBatch) -> Option<(WorkerId, Arc<crate::index::KvIndex>)> {
         let endpoint: SocketAddr = b.endpoint.parse().ok()?;
+        let worker = WorkerId::with_rank(endpoint, b.dp_rank);
+        if self.model_of(&worker)? != b.model {
+            return None;
+        }
         let index = self.router.index(&b.model)?.clone();
-        Some((WorkerId::with_rank(endpoint, b.dp_rank), index))
+        Some((worker, index))
     }
 }
 
@@ -262,6 +342,77 @@ pub struct HubSink(pub Arc<RelayHub>);
 impl EventSink for HubSink {
     fn deliver(&self, worker: &WorkerId, events: Vec<NormEvent>) {
         self.0.originate(worker, events);
+    }
+}
+
+/// Splits a drain into batches of at most about `max` encoded bytes. A stored or removed event
+/// too large on its own is cut into runs of blocks; a stored run after the first continues from
+/// the previous run's last block (same namespace, by inheritance).
+fn split(events: Vec<NormEvent>, max: usize) -> Vec<Vec<pb::RelayEvent>> {
+    let mut batches = Vec::new();
+    let mut cur = Vec::new();
+    let mut cur_bytes = 0;
+    for ev in events {
+        for piece in split_event(ev, max) {
+            let ev = to_pb(&piece);
+            let size = ev.encoded_len() + 8;
+            if !cur.is_empty() && cur_bytes + size > max {
+                batches.push(std::mem::take(&mut cur));
+                cur_bytes = 0;
+            }
+            cur_bytes += size;
+            cur.push(ev);
+        }
+    }
+    if !cur.is_empty() {
+        batches.push(cur);
+    }
+    batches
+}
+
+fn split_event(ev: NormEvent, max: usize) -> Vec<NormEvent> {
+    let size = to_pb(&ev).encoded_len();
+    if size <= max {
+        return vec![ev];
+    }
+    match ev {
+        NormEvent::Stored {
+            parent,
+            root_seed,
+            engine_hashes,
+            tokens,
+            medium,
+        } => {
+            let n = engine_hashes.len().max(1);
+            let per_block = size.div_ceil(n);
+            let run = (max.saturating_sub(64) / per_block.max(1)).max(1);
+            let bs = tokens.len() / n;
+            let mut out = Vec::new();
+            let mut prev = parent;
+            for (i, hashes) in engine_hashes.chunks(run).enumerate() {
+                let start = i * run * bs;
+                out.push(NormEvent::Stored {
+                    parent: prev,
+                    root_seed: if i == 0 { root_seed } else { None },
+                    engine_hashes: hashes.to_vec(),
+                    tokens: tokens[start..start + hashes.len() * bs].to_vec(),
+                    medium,
+                });
+                prev = hashes.last().copied();
+            }
+            out
+        }
+        NormEvent::Removed {
+            engine_hashes,
+            tiers,
+        } => engine_hashes
+            .chunks((max / 10).max(1))
+            .map(|h| NormEvent::Removed {
+                engine_hashes: h.to_vec(),
+                tiers,
+            })
+            .collect(),
+        NormEvent::Cleared => vec![NormEvent::Cleared],
     }
 }
 
@@ -325,22 +476,46 @@ fn from_pb(ev: &pb::RelayEvent) -> Option<NormEvent> {
     })
 }
 
-/// After bootstrap: keeps ownership of single-reader sources and relay subscriptions current.
+/// After bootstrap: keeps ownership of single-reader sources and relay subscriptions current,
+/// and evens out what vanished origins relayed.
 pub async fn maintain(state: Arc<ReplicaState>) {
     let interval = state.probe_interval();
     let handoff = interval * 3;
     let mut owner_since: HashMap<WorkerId, Instant> = HashMap::new();
     let mut subs: HashMap<u64, tokio::task::JoinHandle<()>> = HashMap::new();
+    let mut alive: HashSet<u64> = HashSet::new();
+    let catching = Arc::new(AtomicU64::new(0));
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         let now = Instant::now();
+        let view = state.members.view();
+        // Origins that vanished: survivors even out what each of them received.
+        let live: HashSet<u64> = view.iter().map(|m| m.instance).collect();
+        for gone in alive.difference(&live) {
+            if state.hub.position(*gone).is_some() {
+                catching.fetch_add(1, Ordering::SeqCst);
+                let (state, catching, gone) = (state.clone(), catching.clone(), *gone);
+                tokio::spawn(async move {
+                    catch_up(&state, gone).await;
+                    // Once more, for batches still in flight to peers at the first pass.
+                    tokio::time::sleep(state.probe_interval() * 3).await;
+                    catch_up(&state, gone).await;
+                    catching.fetch_sub(1, Ordering::SeqCst);
+                });
+            }
+        }
+        alive = live;
         let sources = state.feeds.single_readers();
         for (w, sr) in &sources {
             if state.owner_of(w) == Some(state.instance) {
                 let since = *owner_since.entry(*w).or_insert(now);
-                if now.duration_since(since) >= handoff && !state.feeds.is_polling(w) {
+                if now.duration_since(since) >= handoff
+                    && !state.feeds.is_polling(w)
+                    && catching.load(Ordering::SeqCst) == 0
+                    && handed_over(&state, &view, w)
+                {
                     tracing::info!(worker = %w, "this replica now owns the worker's event drain");
                     state.feeds.poll(
                         *w,
@@ -351,7 +526,7 @@ pub async fn maintain(state: Arc<ReplicaState>) {
                 }
             } else {
                 owner_since.remove(w);
-                if state.feeds.is_polling(w) {
+                if state.feeds.is_owned_here(w) {
                     tracing::info!(worker = %w, "another replica owns the worker's event drain now");
                     state.feeds.stop_polling(w);
                 }
@@ -359,11 +534,62 @@ pub async fn maintain(state: Arc<ReplicaState>) {
         }
         owner_since.retain(|w, _| sources.iter().any(|(s, _)| s == w));
         subs.retain(|_, t| !t.is_finished());
-        for m in state.members.view() {
+        for m in &view {
             subs.entry(m.instance)
                 .or_insert_with(|| tokio::spawn(subscribe(state.clone(), m.addr, m.instance)));
         }
     }
+}
+
+/// Whether no ready peer still polls `worker` and this replica has applied everything each ready
+/// peer had originated at its last probe: the previous owner's last drain is in.
+fn handed_over(state: &ReplicaState, view: &[super::members::Member], worker: &WorkerId) -> bool {
+    let name = worker.to_string();
+    view.iter().filter(|m| m.ready).all(|m| {
+        !m.polling.contains(&name) && state.hub.position(m.instance).unwrap_or(0) >= m.relay_next
+    })
+}
+
+/// Asks every live peer for the batches of `origin` beyond this replica's position.
+async fn catch_up(state: &Arc<ReplicaState>, origin: u64) {
+    for m in state.members.view() {
+        let from = state.hub.position(origin).unwrap_or(0);
+        let mut client = state.members.client(m.addr);
+        let req = authed(
+            state,
+            pb::RelayRequest {
+                origin: 0,
+                from_seq: from,
+                of_origin: origin,
+            },
+        );
+        let Ok(Ok(resp)) = tokio::time::timeout(Duration::from_secs(5), client.relay(req)).await
+        else {
+            continue;
+        };
+        let mut stream = resp.into_inner();
+        while let Ok(Ok(Some(b))) =
+            tokio::time::timeout(Duration::from_secs(5), stream.message()).await
+        {
+            if b.keepalive || b.origin != origin {
+                continue;
+            }
+            let mine = polled(state);
+            if state.hub.apply_relayed(&b, &mine) == Applied::Applied {
+                state.hub.counters.caught_up.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// The single-reader sources this replica polls.
+fn polled(state: &ReplicaState) -> Vec<WorkerId> {
+    state
+        .feeds
+        .poll_statuses()
+        .into_iter()
+        .map(|(w, _)| w)
+        .collect()
 }
 
 impl Drop for RelayHub {
@@ -374,17 +600,14 @@ impl Drop for RelayHub {
 
 /// Streams one peer's relay log into this replica until the stream breaks.
 async fn subscribe(state: Arc<ReplicaState>, addr: SocketAddr, instance: u64) {
-    let from = state.hub.position(instance).unwrap_or(0);
+    let known = state.hub.position(instance);
     let mut client = state.members.client(addr);
     let req = authed(
         &state,
         pb::RelayRequest {
-            origin: if state.hub.position(instance).is_some() {
-                instance
-            } else {
-                0
-            },
-            from_seq: from,
+            origin: if known.is_some() { instance } else { 0 },
+            from_seq: known.unwrap_or(0),
+            of_origin: 0,
         },
     );
     let mut stream = match client.relay(req).await {
@@ -403,13 +626,50 @@ async fn subscribe(state: Arc<ReplicaState>, addr: SocketAddr, instance: u64) {
         if msg.keepalive {
             continue;
         }
-        let not_mine: Vec<WorkerId> = state
-            .feeds
-            .single_readers()
-            .into_iter()
-            .map(|(w, _)| w)
-            .filter(|w| !state.feeds.is_polling(w))
-            .collect();
-        state.hub.apply_relayed(&msg, &not_mine);
+        state.hub.apply_relayed(&msg, &polled(&state));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::index::{IndexLimits, KvIndex};
+
+    #[test]
+    fn oversized_drains_split_into_batches_that_apply_alike() {
+        let bs = 4;
+        let n = 500u64;
+        let ev = NormEvent::Stored {
+            parent: None,
+            root_seed: Some(HashSeed::new(None, Some("tenant"))),
+            engine_hashes: (0..n).map(EngineBlockHash).collect(),
+            tokens: (0..n as u32 * bs).collect(),
+            medium: Medium::Device,
+        };
+        let rm = NormEvent::Removed {
+            engine_hashes: (0..n).step_by(7).map(EngineBlockHash).collect(),
+            tiers: 0b01,
+        };
+        let max = 2048;
+        let batches = split(vec![ev.clone(), rm.clone()], max);
+        assert!(batches.len() >= 5, "split into {}", batches.len());
+        for b in &batches {
+            let size: usize = b.iter().map(|e| e.encoded_len() + 8).sum();
+            assert!(size <= max, "batch of {size} bytes");
+        }
+        let w = WorkerId::new("10.0.0.1:8000".parse().unwrap());
+        let whole = KvIndex::new(bs as usize, IndexLimits::default());
+        let pieces = KvIndex::new(bs as usize, IndexLimits::default());
+        whole.add_worker(w);
+        pieces.add_worker(w);
+        ev.apply(&whole, &w).unwrap();
+        rm.apply(&whole, &w).unwrap();
+        for b in &batches {
+            for e in b {
+                from_pb(e).unwrap().apply(&pieces, &w).unwrap();
+            }
+        }
+        assert_eq!(whole.digest(), pieces.digest());
+        assert_eq!(whole.digest().1, (n - n.div_ceil(7)) as usize);
     }
 }

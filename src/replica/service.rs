@@ -21,6 +21,8 @@ const KEEPALIVE: Duration = Duration::from_secs(1);
 
 struct Service {
     state: Arc<ReplicaState>,
+    /// Fires at shutdown: open relay streams end so the server can stop gracefully.
+    stop: watch::Receiver<bool>,
 }
 
 type Stream<T> = Pin<Box<dyn tokio_stream::Stream<Item = Result<T, Status>> + Send>>;
@@ -65,6 +67,14 @@ impl Replica for Service {
             ready: self.state.is_ready(),
             advertise: String::new(),
             version: env!("CARGO_PKG_VERSION").to_owned(),
+            polling: self
+                .state
+                .feeds
+                .poll_statuses()
+                .iter()
+                .map(|(w, _)| w.to_string())
+                .collect(),
+            relay_next: self.state.hub.next_seq(),
         }))
     }
 
@@ -97,10 +107,17 @@ impl Replica for Service {
         let r = req.into_inner();
         let hub = self.state.hub.clone();
         let instance = self.state.instance;
+        if r.of_origin != 0 && r.of_origin != instance {
+            // Another origin's batches this replica applied: what it has, then the end.
+            let batches = hub.read_origin(r.of_origin, r.from_seq);
+            let stream = tokio_stream::iter(batches.into_iter().map(|b| Ok((*b).clone())));
+            return Ok(Response::new(Box::pin(stream)));
+        }
         // Another instance's position means nothing here: start at the oldest batch kept.
         let mut next = if r.origin == instance { r.from_seq } else { 0 };
         let (tx, rx) = mpsc::channel(RELAY_READ);
         let mut tail: watch::Receiver<u64> = hub.watch_tail();
+        let mut stop = self.stop.clone();
         tokio::spawn(async move {
             let mut reset = false;
             loop {
@@ -116,7 +133,7 @@ impl Replica for Service {
                 for b in &batches {
                     let mut b = (**b).clone();
                     b.reset = std::mem::take(&mut reset);
-                    next = b.seq + 1;
+                    next = b.seq.saturating_add(1);
                     if tx.send(Ok(b)).await.is_err() {
                         return;
                     }
@@ -126,6 +143,7 @@ impl Replica for Service {
                 }
                 tokio::select! {
                     r = tail.changed() => if r.is_err() { return },
+                    _ = async { let _ = stop.wait_for(|s| *s).await; } => return,
                     _ = tokio::time::sleep(KEEPALIVE) => {
                         let k = pb::RelayBatch { keepalive: true, origin: instance, ..Default::default() };
                         if tx.send(Ok(k)).await.is_err() { return; }
@@ -146,6 +164,7 @@ pub async fn serve(
     let max = state.config.max_message_bytes;
     let svc = ReplicaServer::new(Service {
         state: state.clone(),
+        stop: stop.clone(),
     })
     .max_decoding_message_size(max)
     .max_encoding_message_size(max);

@@ -226,8 +226,14 @@ async fn fetch_into(
                         .map_err(|_| format!("bad worker endpoint `{}`", h.endpoint))?,
                     h.dp_rank,
                 );
-                let Some(index) = state.router.index(&h.model).cloned() else {
-                    tracing::warn!(model = %h.model, "snapshot names a model this replica does not serve; skipped");
+                let runs = state
+                    .router
+                    .workers()
+                    .iter()
+                    .any(|w| w.id == id && w.model == h.model);
+                let index = state.router.index(&h.model).cloned().filter(|_| runs);
+                let Some(index) = index else {
+                    tracing::warn!(worker = %id, model = %h.model, "snapshot names a worker this replica does not run; skipped");
                     current = Some(Current {
                         id,
                         index: None,

@@ -200,10 +200,7 @@ async fn bench_snapshot(n: usize) {
         dst_router.index("m").expect("m").digest(),
     );
     assert_eq!(a, b, "the bootstrapped index equals its source");
-    let bytes = dst
-        .counters
-        .snapshot_bytes
-        .load(std::sync::atomic::Ordering::Relaxed);
+    let bytes = dst.counters.snapshot_bytes.get();
     // The transfer itself (sender copies, chunks in flight, decoding), without the receiver's
     // index growing: stream the snapshot again into a reader that drops each chunk.
     let mut client =

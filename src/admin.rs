@@ -238,7 +238,6 @@ async fn digest(State(s): State<AdminState>) -> Response {
 /// Replication status: this instance, its peers, what it owns and the relay positions. Instance
 /// ids are random per process and reveal nothing about tenants.
 async fn replica(State(s): State<AdminState>) -> Response {
-    use std::sync::atomic::Ordering::Relaxed;
     let Some(r) = &s.replica else {
         return Json(json!({"enabled": false})).into_response();
     };
@@ -277,14 +276,15 @@ async fn replica(State(s): State<AdminState>) -> Response {
         "single_reader_sources": sources,
         "relay_positions": relay,
         "counters": {
-            "snapshots_served": c.snapshots_served.load(Relaxed),
-            "blocks_restored": c.blocks_restored.load(Relaxed),
-            "unauthenticated": c.unauthenticated.load(Relaxed),
-            "relay_originated": h.originated.load(Relaxed),
-            "relay_applied": h.applied.load(Relaxed),
-            "relay_duplicates": h.duplicates.load(Relaxed),
-            "relay_resets": h.resets.load(Relaxed),
-            "relay_unplaced": h.unplaced.load(Relaxed),
+            "snapshots_served": c.snapshots_served.get(),
+            "blocks_restored": c.blocks_restored.get(),
+            "unauthenticated": c.unauthenticated.get(),
+            "relay_originated": h.originated.get(),
+            "relay_applied": h.applied.get(),
+            "relay_duplicates": h.duplicates.get(),
+            "relay_resets": h.resets.get(),
+            "relay_unplaced": h.unplaced.get(),
+            "relay_caught_up": h.caught_up.get(),
         },
     }))
     .into_response()

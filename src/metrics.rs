@@ -35,6 +35,21 @@ pub struct Metrics {
     pub served_mismatch: Counter,
     /// Pods of the InferencePool that would be endpoints but were skipped, by reason.
     pub discovery_skipped_pods: Family<Labels, Gauge>,
+    /// 1 once this replica's index is complete (bootstrapped or started empty), else 0.
+    pub replica_ready: Gauge,
+    /// Peers answering probes, by state (`ready`, `starting`).
+    pub replica_peers: Family<Labels, Gauge>,
+    /// Relayed batches by kind (`originated`, `applied`, `duplicate`, `reset`, `caught_up`,
+    /// `unplaced`).
+    pub replica_relay_batches: Family<Labels, Counter>,
+    /// Index snapshots served to peers.
+    pub replica_snapshots_served: Counter,
+    /// Block entries restored from a peer's snapshot.
+    pub replica_blocks_restored: Counter,
+    /// Encoded bytes of snapshots received.
+    pub replica_snapshot_bytes: Counter,
+    /// Peer API calls refused for a missing or wrong token.
+    pub replica_unauthenticated: Counter,
 }
 
 impl Default for Metrics {
@@ -101,8 +116,57 @@ impl Metrics {
             "Ready pods of the InferencePool skipped by discovery (bad IP, missing or unknown model label)",
             discovery_skipped_pods.clone(),
         );
+        let replica_ready = Gauge::default();
+        registry.register(
+            "replica_ready",
+            "1 once this replica's index is complete (bootstrapped from a peer or started empty)",
+            replica_ready.clone(),
+        );
+        let replica_peers = Family::<Labels, Gauge>::default();
+        registry.register(
+            "replica_peers",
+            "Peer replicas answering probes, by state",
+            replica_peers.clone(),
+        );
+        let replica_relay_batches = Family::<Labels, Counter>::default();
+        registry.register(
+            "replica_relay_batches",
+            "Relayed event batches of single-reader sources, by kind",
+            replica_relay_batches.clone(),
+        );
+        let replica_snapshots_served = Counter::default();
+        registry.register(
+            "replica_snapshots_served",
+            "Index snapshots served to peers",
+            replica_snapshots_served.clone(),
+        );
+        let replica_blocks_restored = Counter::default();
+        registry.register(
+            "replica_blocks_restored",
+            "Block entries restored from a peer's snapshot",
+            replica_blocks_restored.clone(),
+        );
+        let replica_snapshot_bytes = Counter::default();
+        registry.register(
+            "replica_snapshot_bytes",
+            "Encoded bytes of index snapshots received from peers",
+            replica_snapshot_bytes.clone(),
+        );
+        let replica_unauthenticated = Counter::default();
+        registry.register(
+            "replica_unauthenticated",
+            "Peer API calls refused for a missing or wrong token",
+            replica_unauthenticated.clone(),
+        );
         Metrics {
             registry,
+            replica_ready,
+            replica_peers,
+            replica_relay_batches,
+            replica_snapshots_served,
+            replica_blocks_restored,
+            replica_snapshot_bytes,
+            replica_unauthenticated,
             requests,
             decision_seconds,
             prompt_blocks,

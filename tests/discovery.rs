@@ -862,12 +862,8 @@ async fn a_replica_finds_its_peer_through_endpoint_slices_and_bootstraps() {
         common::eventually(DEADLINE_SECS, || rb.is_ready()).await,
         "b bootstraps"
     );
-    use std::sync::atomic::Ordering::Relaxed;
-    assert!(
-        rb.counters.blocks_restored.load(Relaxed) > 0,
-        "b copied a's index"
-    );
-    assert_eq!(ra.counters.snapshots_served.load(Relaxed), 1);
+    assert!(rb.counters.blocks_restored.get() > 0, "b copied a's index");
+    assert_eq!(ra.counters.snapshots_served.get(), 1);
     let index_b = b.router.index("m").unwrap().clone();
     assert!(
         common::eventually(DEADLINE_SECS, || index_a.digest() == index_b.digest()).await,
@@ -875,6 +871,19 @@ async fn a_replica_finds_its_peer_through_endpoint_slices_and_bootstraps() {
         index_a.digest(),
         index_b.digest()
     );
+    // Operators see the same on the metrics port.
+    let m = common::http(b.metrics_addr, "GET", "/metrics", &[], b"")
+        .await
+        .unwrap()
+        .text();
+    assert!(m.contains("kv_epp_replica_ready 1"), "{m}");
+    let restored = m
+        .lines()
+        .find_map(|l| l.strip_prefix("kv_epp_replica_blocks_restored_total "))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    assert!(restored > 0, "{m}");
+    assert!(m.contains("kv_epp_replica_peers{state=\"ready\"} 1"), "{m}");
     b.stop().await;
     a.stop().await;
 }

@@ -20,6 +20,7 @@ use super::ReplicaState;
 use super::pb;
 use crate::config::PeersConfig;
 use crate::discovery::ServiceEndpoints;
+use crate::metrics::Metrics;
 
 /// A peer as last probed.
 #[derive(Clone, Debug)]
@@ -243,7 +244,14 @@ pub async fn probe_loop(state: Arc<ReplicaState>) {
                 _ => {}
             }
         }
+        let ready = table.values().filter(|p| p.ready).count() as i64;
+        let starting = table.len() as i64 - ready;
         drop(table);
+        let g = &state.router.metrics().replica_peers;
+        g.get_or_create(&Metrics::labels(&[("state", "ready")]))
+            .set(ready);
+        g.get_or_create(&Metrics::labels(&[("state", "starting")]))
+            .set(starting);
         m.rounds.fetch_add(1, Ordering::Relaxed);
     }
 }

@@ -24,13 +24,15 @@ pub mod pb {
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use prometheus_client::metrics::counter::Counter;
 use tonic::metadata::MetadataValue;
 
 use crate::config::PeersConfig;
 use crate::events::Feeds;
+use crate::metrics::Metrics;
 use crate::readiness::Readiness;
 use crate::router::Router;
 use crate::worker::WorkerId;
@@ -40,17 +42,29 @@ use relay::RelayHub;
 /// Readiness condition name of the bootstrap.
 pub const BOOTSTRAP: &str = "bootstrap";
 
-/// Counters of the replica machinery, for `/debug/replica` and metrics.
-#[derive(Debug, Default)]
+/// Counters of the replica machinery: Prometheus counters (`kv_epp_replica_*`), also shown by
+/// `/debug/replica`.
+#[derive(Debug)]
 pub struct ReplicaCounters {
     /// Snapshots served to peers.
-    pub snapshots_served: AtomicU64,
+    pub snapshots_served: Counter,
     /// Block entries restored from a peer's snapshot.
-    pub blocks_restored: AtomicU64,
+    pub blocks_restored: Counter,
     /// Encoded bytes of the snapshot messages received.
-    pub snapshot_bytes: AtomicU64,
+    pub snapshot_bytes: Counter,
     /// Peer calls refused for a missing or wrong token.
-    pub unauthenticated: AtomicU64,
+    pub unauthenticated: Counter,
+}
+
+impl ReplicaCounters {
+    fn new(m: &Metrics) -> Self {
+        ReplicaCounters {
+            snapshots_served: m.replica_snapshots_served.clone(),
+            blocks_restored: m.replica_blocks_restored.clone(),
+            snapshot_bytes: m.replica_snapshot_bytes.clone(),
+            unauthenticated: m.replica_unauthenticated.clone(),
+        }
+    }
 }
 
 /// This replica's side of replication.
@@ -112,6 +126,7 @@ impl ReplicaState {
         readiness.set(BOOTSTRAP, false, "copying the index from a peer");
         feeds.hold();
         feeds.set_owned_elsewhere();
+        let counters = ReplicaCounters::new(router.metrics());
         let hub = Arc::new(RelayHub::new(
             instance,
             router.clone(),
@@ -128,7 +143,7 @@ impl ReplicaState {
             config,
             token,
             hub,
-            counters: ReplicaCounters::default(),
+            counters,
             readiness,
             started: Instant::now(),
         }))
@@ -141,6 +156,7 @@ impl ReplicaState {
 
     fn set_ready(&self) {
         self.ready.store(true, Ordering::Release);
+        self.router.metrics().replica_ready.set(1);
         self.readiness.set(BOOTSTRAP, true, "");
     }
 

@@ -41,24 +41,44 @@ use crate::events::normalized::NormEvent;
 use crate::events::trtllm::EventSink;
 use crate::hashing::HashSeed;
 use crate::index::{EngineBlockHash, Medium};
+use crate::metrics::Metrics;
 use crate::router::Router;
 use crate::worker::WorkerId;
+use prometheus_client::metrics::counter::Counter;
 
-/// Counters of the relay.
-#[derive(Debug, Default)]
+/// Counters of the relay: `kv_epp_replica_relay_batches{kind}`, also shown by `/debug/replica`.
+#[derive(Debug)]
 pub struct RelayCounters {
     /// Batches this replica originated.
-    pub originated: AtomicU64,
+    pub originated: Counter,
     /// Relayed batches applied.
-    pub applied: AtomicU64,
+    pub applied: Counter,
     /// Relayed batches skipped as already applied.
-    pub duplicates: AtomicU64,
+    pub duplicates: Counter,
     /// Streams that could not resume where they left off.
-    pub resets: AtomicU64,
+    pub resets: Counter,
     /// Relayed batches naming a model or worker this replica cannot place.
-    pub unplaced: AtomicU64,
+    pub unplaced: Counter,
     /// Batches of vanished origins obtained from surviving peers.
-    pub caught_up: AtomicU64,
+    pub caught_up: Counter,
+}
+
+impl RelayCounters {
+    fn new(m: &Metrics) -> Self {
+        let kind = |k: &str| {
+            m.replica_relay_batches
+                .get_or_create(&Metrics::labels(&[("kind", k)]))
+                .clone()
+        };
+        RelayCounters {
+            originated: kind("originated"),
+            applied: kind("applied"),
+            duplicates: kind("duplicate"),
+            resets: kind("reset"),
+            unplaced: kind("unplaced"),
+            caught_up: kind("caught_up"),
+        }
+    }
 }
 
 /// Batches kept per other origin for survivors' catch-up.
@@ -116,6 +136,7 @@ impl RelayHub {
         cap_bytes: usize,
         max_batch_bytes: usize,
     ) -> RelayHub {
+        let counters = RelayCounters::new(router.metrics());
         RelayHub {
             instance,
             router,
@@ -132,7 +153,7 @@ impl RelayHub {
                 origin_workers: HashMap::new(),
             }),
             tail: watch::channel(0).0,
-            counters: RelayCounters::default(),
+            counters,
         }
     }
 
@@ -178,11 +199,11 @@ impl RelayHub {
     /// batches that fit a peer message).
     pub fn originate(&self, worker: &WorkerId, events: Vec<NormEvent>) {
         let Some(model) = self.model_of(worker) else {
-            self.counters.unplaced.fetch_add(1, Ordering::Relaxed);
+            self.counters.unplaced.inc();
             return;
         };
         let Some(index) = self.router.index(&model).cloned() else {
-            self.counters.unplaced.fetch_add(1, Ordering::Relaxed);
+            self.counters.unplaced.inc();
             return;
         };
         let mut st = self.state.lock();
@@ -210,7 +231,7 @@ impl RelayHub {
                 }
             }
             st.next_seq += 1;
-            self.counters.originated.fetch_add(1, Ordering::Relaxed);
+            self.counters.originated.inc();
         }
         let next = st.next_seq;
         drop(st);
@@ -253,7 +274,7 @@ impl RelayHub {
         let in_order = match pos {
             Some(p) if b.seq < p => {
                 drop(st);
-                self.counters.duplicates.fetch_add(1, Ordering::Relaxed);
+                self.counters.duplicates.inc();
                 return Applied::Duplicate;
             }
             Some(p) => b.seq == p && !b.reset,
@@ -262,7 +283,7 @@ impl RelayHub {
         let outcome = if in_order {
             Applied::Applied
         } else {
-            self.counters.resets.fetch_add(1, Ordering::Relaxed);
+            self.counters.resets.inc();
             tracing::warn!(
                 expected = ?pos,
                 got = b.seq,
@@ -295,13 +316,13 @@ impl RelayHub {
                             }
                         }
                         None => {
-                            self.counters.unplaced.fetch_add(1, Ordering::Relaxed);
+                            self.counters.unplaced.inc();
                         }
                     }
                 }
             }
             None => {
-                self.counters.unplaced.fetch_add(1, Ordering::Relaxed);
+                self.counters.unplaced.inc();
             }
         }
         if !st.relayed.contains_key(&b.origin) {
@@ -318,7 +339,7 @@ impl RelayHub {
             tail.pop_front();
         }
         drop(st);
-        self.counters.applied.fetch_add(1, Ordering::Relaxed);
+        self.counters.applied.inc();
         outcome
     }
 
@@ -576,7 +597,7 @@ async fn catch_up(state: &Arc<ReplicaState>, origin: u64) {
             }
             let mine = polled(state);
             if state.hub.apply_relayed(&b, &mine) == Applied::Applied {
-                state.hub.counters.caught_up.fetch_add(1, Ordering::Relaxed);
+                state.hub.counters.caught_up.inc();
             }
         }
     }

@@ -3,7 +3,6 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
@@ -39,10 +38,7 @@ impl Service {
         if ok {
             Ok(())
         } else {
-            self.state
-                .counters
-                .unauthenticated
-                .fetch_add(1, Ordering::Relaxed);
+            self.state.counters.unauthenticated.inc();
             Err(Status::unauthenticated("missing or wrong peer token"))
         }
     }

@@ -15,7 +15,6 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use tokio::sync::mpsc;
 use tonic::Status;
@@ -47,10 +46,7 @@ pub fn serve(
 ) -> mpsc::Receiver<Result<pb::SnapshotChunk, Status>> {
     let (tx, rx) = mpsc::channel(4);
     tokio::spawn(async move {
-        state
-            .counters
-            .snapshots_served
-            .fetch_add(1, Ordering::Relaxed);
+        state.counters.snapshots_served.inc();
         // Relayed workers and the relay positions, copied together.
         let single: Vec<WorkerId> = state
             .feeds
@@ -214,7 +210,7 @@ async fn fetch_into(
         state
             .counters
             .snapshot_bytes
-            .fetch_add(prost::Message::encoded_len(&msg) as u64, Ordering::Relaxed);
+            .inc_by(prost::Message::encoded_len(&msg) as u64);
         match msg.item.ok_or("empty snapshot chunk")? {
             Item::Worker(h) => {
                 if current.is_some() {
@@ -283,10 +279,7 @@ async fn fetch_into(
                         .restore_blocks(&cur.id, &cur.seeds, &blocks)
                         .map_err(|e| e.to_string())?;
                     out.blocks += restored;
-                    state
-                        .counters
-                        .blocks_restored
-                        .fetch_add(restored as u64, Ordering::Relaxed);
+                    state.counters.blocks_restored.inc_by(restored as u64);
                 }
             }
             Item::WorkerEnd(_) => {

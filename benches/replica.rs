@@ -243,32 +243,55 @@ async fn bench_snapshot(n: usize) {
 }
 
 fn bench_hit_rate(full: bool) {
-    let work = generate(&GeneratorSpec {
-        tenants: 8,
-        sessions_per_tenant: if full { 24 } else { 3 },
-        ..GeneratorSpec::default()
-    });
-    let mut spec = FleetSpec {
-        workers: 8,
-        num_blocks: 4096,
-        block_size: BS,
-        latency: LatencyModel::default(),
-        replicas: 1,
-    };
-    let policy = Policy::KvAware(ScoringConfig::default());
-    let one = simulate(&spec, &policy, &work).total().hit_rate();
-    spec.replicas = 3;
-    let three = simulate(&spec, &policy, &work).total().hit_rate();
-    spec.replicas = 1;
-    let rr = simulate(&spec, &Policy::RoundRobin, &work)
-        .total()
-        .hit_rate();
-    println!(
-        "routing hit rate on {} requests over 8 workers: 1 replica {:.2}%, 3 replicas {:.2}% (ratio {:.4}; target within 1%); round-robin {:.2}%",
-        work.len(),
-        one * 100.0,
-        three * 100.0,
-        three / one,
-        rr * 100.0
-    );
+    let sessions = if full { 24 } else { 3 };
+    // The default multi-turn mix, and a load-heavy one (many tenants with their own prompts
+    // arriving fast) where in-flight counts decide more placements.
+    let mixes = [
+        (
+            "multi-turn, 20 req/s",
+            GeneratorSpec {
+                tenants: 8,
+                sessions_per_tenant: sessions,
+                ..GeneratorSpec::default()
+            },
+        ),
+        (
+            "32 tenants, 200 req/s",
+            GeneratorSpec {
+                tenants: 32,
+                shared_prompt_tenants: 0,
+                sessions_per_tenant: sessions / 2 + 1,
+                rate_per_s: 200.0,
+                ..GeneratorSpec::default()
+            },
+        ),
+    ];
+    for (name, mix) in mixes {
+        let work = generate(&mix);
+        let mut spec = FleetSpec {
+            workers: 8,
+            num_blocks: 4096,
+            block_size: BS,
+            latency: LatencyModel::default(),
+            replicas: 1,
+        };
+        let policy = Policy::KvAware(ScoringConfig::default());
+        let one = simulate(&spec, &policy, &work);
+        spec.replicas = 3;
+        let three = simulate(&spec, &policy, &work);
+        spec.replicas = 1;
+        let rr = simulate(&spec, &Policy::RoundRobin, &work).total();
+        let (h1, h3) = (one.total().hit_rate(), three.total().hit_rate());
+        println!(
+            "routing, {name}, {} requests over 8 workers: hit rate 1 replica {:.2}%, 3 replicas {:.2}% (ratio {:.4}; target within 1%); mean TTFT {:.1} vs {:.1} ms; {} of the 3-replica decisions saw partial in-flight counts; round-robin {:.2}%",
+            work.len(),
+            h1 * 100.0,
+            h3 * 100.0,
+            h3 / h1,
+            one.total().mean_ttft_ms(),
+            three.total().mean_ttft_ms(),
+            three.partial_load_views,
+            rr.hit_rate() * 100.0
+        );
+    }
 }

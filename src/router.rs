@@ -311,6 +311,22 @@ impl Router {
         }
     }
 
+    /// The model a worker serves, if it is one of this router's workers.
+    pub fn model_of(&self, id: &WorkerId) -> Option<String> {
+        self.workers
+            .read()
+            .iter()
+            .find(|w| w.id == *id)
+            .map(|w| w.model.clone())
+    }
+
+    /// A worker's model and that model's index, if it is one of this router's workers.
+    pub fn worker_index(&self, id: &WorkerId) -> Option<(String, Arc<KvIndex>)> {
+        let model = self.model_of(id)?;
+        let index = self.index(&model)?.clone();
+        Some((model, index))
+    }
+
     /// The live worker states.
     pub fn workers(&self) -> Vec<Arc<WorkerRuntime>> {
         self.workers.read().clone()

@@ -12,16 +12,12 @@ use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use common::sim::SimSpec;
 use kube_api::{FakeKube, Res, endpoint_slice, pod, pool_v1, pool_v1alpha2};
 use kv_epp::config::Config;
 use kv_epp::router::RouteRequest;
 use kv_epp::server::Server;
-use kv_epp::sim::api::Served;
-use kv_epp::sim::engine::EngineConfig;
-use kv_epp::sim::events::{BatchEncoder, EventLayout, HashForm};
-use kv_epp::sim::latency::LatencyModel;
-use kv_epp::sim::publisher::PublisherConfig;
-use kv_epp::sim::server::{SimWorker, SimWorkerConfig};
+use kv_epp::sim::server::SimWorker;
 use serde_json::json;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -303,54 +299,53 @@ async fn workers_follow_pod_readiness_deletion_selector_and_target_ports() {
 
 /// A simulated vLLM worker on 127.0.0.1: HTTP on an ephemeral port, KV events on `events_port`.
 async fn sim_worker(events_port: u16) -> SimWorker {
-    let config = SimWorkerConfig {
-        http_addr: "127.0.0.1:0".parse().unwrap(),
-        served: Served {
-            model: "m".into(),
-            lora_modules: vec![],
-        },
-        engine: EngineConfig {
-            num_blocks: 256,
-            block_size: 4,
-            max_num_seqs: 8,
-            latency: LatencyModel {
-                base_us: 0,
-                prefill_us_per_token: 0.0,
-                decode_us_per_token: 0,
-            },
-        },
-        publisher: PublisherConfig {
-            events_endpoint: format!("tcp://127.0.0.1:{events_port}"),
-            replay_endpoint: None,
-            topic: String::new(),
-            buffer_steps: 1000,
-            drop_fraction: 0.0,
-            fault_seed: 1,
-            encoder: BatchEncoder {
-                layout: EventLayout::Map,
-                hash_form: HashForm::Int,
-                block_size: 4,
-                lora_modules: vec![],
-                data_parallel_rank: None,
-            },
-        },
-    };
-    kv_epp::sim::server::start(config, None).await.unwrap()
+    common::sim::sim_worker(SimSpec {
+        block_size: 4,
+        num_blocks: 256,
+        max_num_seqs: 8,
+        replay: false,
+        buffer_steps: 1000,
+        events_port: Some(events_port),
+        ..SimSpec::default()
+    })
+    .await
 }
 
 /// kv-epp's overlap in tokens for an unsalted token prompt on `worker`, from the admin `/query`.
 async fn believed(server: &Server, worker: std::net::SocketAddr, tokens: &[u32]) -> u64 {
-    let body = json!({"model": "m", "token_ids": tokens}).to_string();
-    let r = common::http(server.admin_addr, "POST", "/query", &[], body.as_bytes())
+    common::sim::believed(server.admin_addr, worker, tokens, None).await
+}
+
+/// Sends unsalted prompts straight to the worker until `server` credits one (its subscription
+/// is live); returns that prompt.
+async fn send_until_credited(server: &Server, sim: &SimWorker) -> Vec<u32> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(DEADLINE_SECS);
+    for i in 0u32.. {
+        let tokens: Vec<u32> = (0..16).map(|t| 1000 * (i + 1) + t).collect();
+        let body = json!({"model": "m", "prompt": tokens, "max_tokens": 1}).to_string();
+        let r = common::http(
+            sim.http_addr,
+            "POST",
+            "/v1/completions",
+            &[],
+            body.as_bytes(),
+        )
         .await
         .unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
-    v["instances"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|i| i["worker"] == worker.to_string())
-        .map_or(0, |i| i["overlap_tokens"].as_u64().unwrap_or(0))
+        assert_eq!(r.status, 200, "{}", r.text());
+        let settle = std::time::Instant::now() + Duration::from_secs(1);
+        while std::time::Instant::now() < settle {
+            if believed(server, sim.http_addr, &tokens).await >= 12 {
+                return tokens;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no event of the worker was applied"
+        );
+    }
+    unreachable!("the loop returns or fails")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -383,39 +378,7 @@ async fn a_discovered_workers_events_feed_the_index_until_its_pod_goes() {
     );
 
     // Prompts go straight to the worker until kv-epp credits one (the subscription is live).
-    let deadline = std::time::Instant::now() + Duration::from_secs(DEADLINE_SECS);
-    let mut credited = None;
-    for i in 0u32.. {
-        let tokens: Vec<u32> = (0..16).map(|t| 1000 * (i + 1) + t).collect();
-        let body = json!({"model": "m", "prompt": tokens, "max_tokens": 1}).to_string();
-        let r = common::http(
-            sim.http_addr,
-            "POST",
-            "/v1/completions",
-            &[],
-            body.as_bytes(),
-        )
-        .await
-        .unwrap();
-        assert_eq!(r.status, 200, "{}", r.text());
-        let settle = std::time::Instant::now() + Duration::from_secs(1);
-        let mut ok = false;
-        while !ok && std::time::Instant::now() < settle {
-            ok = believed(&server, sim.http_addr, &tokens).await >= 12;
-            if !ok {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-        if ok {
-            credited = Some(tokens);
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no event of the discovered worker was applied"
-        );
-    }
-    let tokens = credited.unwrap();
+    let tokens = send_until_credited(&server, &sim).await;
 
     // The pod goes: the worker, its feed and its blocks go with it, and when the pod comes back
     // none of the old blocks is credited again (the index forgot them; nothing new was sent).
@@ -827,29 +790,7 @@ async fn a_replica_finds_its_peer_through_endpoint_slices_and_bootstraps() {
     let worker = sim.http_addr.to_string();
     expect_workers(&a, &[&worker]).await;
     // Traffic until a credits the worker's blocks.
-    let deadline = std::time::Instant::now() + Duration::from_secs(DEADLINE_SECS);
-    for i in 0u32.. {
-        let tokens: Vec<u32> = (0..16).map(|t| 1000 * (i + 1) + t).collect();
-        let body = json!({"model": "m", "prompt": tokens, "max_tokens": 1}).to_string();
-        let r = common::http(
-            sim.http_addr,
-            "POST",
-            "/v1/completions",
-            &[],
-            body.as_bytes(),
-        )
-        .await
-        .unwrap();
-        assert_eq!(r.status, 200);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        if i >= 3 && believed(&a, sim.http_addr, &tokens).await >= 12 {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "a never credited the worker"
-        );
-    }
+    send_until_credited(&a, &sim).await;
     let index_a = a.router.index("m").unwrap().clone();
     assert!(index_a.digest().1 > 0);
 

@@ -9,61 +9,26 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::http;
+use common::sim::{SimSpec, send, sim_worker, truth};
 use kv_epp::config::Config;
-use kv_epp::engine_salt;
-use kv_epp::salt::{CacheSalt, SaltSource};
 use kv_epp::server::Server;
-use kv_epp::sim::api::Served;
-use kv_epp::sim::engine::EngineConfig;
-use kv_epp::sim::events::{BatchEncoder, EventLayout, HashForm};
-use kv_epp::sim::latency::LatencyModel;
-use kv_epp::sim::prefix_cache::CacheRequest;
-use kv_epp::sim::publisher::PublisherConfig;
-use kv_epp::sim::server::{SimWorker, SimWorkerConfig, start};
+use kv_epp::sim::events::{EventLayout, HashForm};
+use kv_epp::sim::server::SimWorker;
 use kv_epp::workload::{GeneratorSpec, generate};
-use serde_json::{Value, json};
 
 const BS: usize = 16;
 
 async fn sim(layout: EventLayout, hash_form: HashForm, drop: f64, replay: bool) -> SimWorker {
-    let port = common::free_port();
-    start(
-        SimWorkerConfig {
-            http_addr: "127.0.0.1:0".parse().unwrap(),
-            served: Served {
-                model: "m".into(),
-                lora_modules: vec![],
-            },
-            engine: EngineConfig {
-                num_blocks: 600,
-                block_size: BS,
-                max_num_seqs: 64,
-                latency: LatencyModel {
-                    base_us: 0,
-                    prefill_us_per_token: 0.0,
-                    decode_us_per_token: 0,
-                },
-            },
-            publisher: PublisherConfig {
-                events_endpoint: format!("tcp://127.0.0.1:{port}"),
-                replay_endpoint: replay.then(|| format!("tcp://127.0.0.1:{}", common::free_port())),
-                topic: String::new(),
-                buffer_steps: 10_000,
-                drop_fraction: drop,
-                fault_seed: 3,
-                encoder: BatchEncoder {
-                    layout,
-                    hash_form,
-                    block_size: BS,
-                    lora_modules: vec![],
-                    data_parallel_rank: None,
-                },
-            },
-        },
-        None,
-    )
+    sim_worker(SimSpec {
+        block_size: BS,
+        drop,
+        replay,
+        seed: 3,
+        layout,
+        hash_form,
+        ..SimSpec::default()
+    })
     .await
-    .unwrap()
 }
 
 async fn kv_epp(workers: &[&SimWorker]) -> Server {
@@ -104,53 +69,8 @@ async fn kv_epp(workers: &[&SimWorker]) -> Server {
     s
 }
 
-fn fwd(tenant: &str) -> String {
-    engine_salt::forwarded(&CacheSalt::new(tenant, SaltSource::Body).unwrap().unwrap())
-}
-
-async fn send(w: &SimWorker, tokens: &[u32], tenant: &str) {
-    let body = json!({"model": "m", "prompt": tokens, "max_tokens": 1, "cache_salt": fwd(tenant)});
-    let r = http(
-        w.http_addr,
-        "POST",
-        "/v1/completions",
-        &[("content-type", "application/json")],
-        body.to_string().as_bytes(),
-    )
-    .await
-    .unwrap();
-    assert_eq!(r.status, 200, "{}", r.text());
-}
-
-/// kv-epp's overlap for (prompt, tenant) on worker `w`, in tokens.
 async fn believed(server: &Server, w: &SimWorker, tokens: &[u32], tenant: &str) -> u64 {
-    let r = http(
-        server.admin_addr,
-        "POST",
-        "/query",
-        &[("x-tenant-id", tenant)],
-        json!({"model": "m", "token_ids": tokens})
-            .to_string()
-            .as_bytes(),
-    )
-    .await
-    .unwrap();
-    let v: Value = serde_json::from_slice(&r.body).unwrap();
-    v["instances"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|i| i["worker"] == w.http_addr.to_string())
-        .map_or(0, |i| i["overlap_tokens"].as_u64().unwrap())
-}
-
-fn truth(w: &SimWorker, tokens: &[u32], tenant: &str) -> u64 {
-    let salt = fwd(tenant);
-    w.engine.peek_cached_tokens(&CacheRequest {
-        tokens,
-        salt: Some(&salt),
-        lora_name: None,
-    }) as u64
+    common::sim::believed(server.admin_addr, w.http_addr, tokens, Some(tenant)).await
 }
 
 /// Waits until kv-epp agrees with every worker on every probe (or fails with the first mismatch).

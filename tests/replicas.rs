@@ -14,21 +14,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::http;
+use common::sim::{SimSpec, fwd, send, sim_worker, truth};
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     HttpBody, HttpHeaders, ProcessingRequest, ProtocolConfiguration, processing_request::Request,
     processing_response::Response,
 };
-use kv_epp::engine_salt;
-use kv_epp::salt::{CacheSalt, SaltSource};
-use kv_epp::sim::api::Served;
-use kv_epp::sim::engine::EngineConfig;
-use kv_epp::sim::events::{BatchEncoder, EventLayout, HashForm};
-use kv_epp::sim::latency::LatencyModel;
-use kv_epp::sim::prefix_cache::CacheRequest;
-use kv_epp::sim::publisher::PublisherConfig;
-use kv_epp::sim::server::{SimWorker, SimWorkerConfig, start};
+use kv_epp::sim::server::SimWorker;
 use kv_epp::workload::{GeneratorSpec, generate};
 use serde_json::{Value, json};
 use tokio::net::{TcpListener, TcpStream};
@@ -37,43 +30,14 @@ const BS: usize = 16;
 const TOKEN: &str = "s3cret-peer-token";
 
 async fn sim(drop: f64, seed: u64) -> SimWorker {
-    start(
-        SimWorkerConfig {
-            http_addr: "127.0.0.1:0".parse().unwrap(),
-            served: Served {
-                model: "m".into(),
-                lora_modules: vec![],
-            },
-            engine: EngineConfig {
-                num_blocks: 400,
-                block_size: BS,
-                max_num_seqs: 64,
-                latency: LatencyModel {
-                    base_us: 0,
-                    prefill_us_per_token: 0.0,
-                    decode_us_per_token: 0,
-                },
-            },
-            publisher: PublisherConfig {
-                events_endpoint: format!("tcp://127.0.0.1:{}", common::free_port()),
-                replay_endpoint: Some(format!("tcp://127.0.0.1:{}", common::free_port())),
-                topic: String::new(),
-                buffer_steps: 10_000,
-                drop_fraction: drop,
-                fault_seed: seed,
-                encoder: BatchEncoder {
-                    layout: EventLayout::Map,
-                    hash_form: HashForm::Int,
-                    block_size: BS,
-                    lora_modules: vec![],
-                    data_parallel_rank: None,
-                },
-            },
-        },
-        None,
-    )
+    sim_worker(SimSpec {
+        block_size: BS,
+        num_blocks: 400,
+        drop,
+        seed,
+        ..SimSpec::default()
+    })
     .await
-    .unwrap()
 }
 
 /// A TCP relay that can cut its connections and refuse new ones for a while: one replica's
@@ -296,53 +260,9 @@ async fn converge(replicas: &[&Replica], min_blocks: u64, secs: u64) -> (String,
     }
 }
 
-fn fwd(tenant: &str) -> String {
-    engine_salt::forwarded(&CacheSalt::new(tenant, SaltSource::Body).unwrap().unwrap())
-}
-
-async fn send(w: &SimWorker, tokens: &[u32], tenant: &str) {
-    let body = json!({"model": "m", "prompt": tokens, "max_tokens": 1, "cache_salt": fwd(tenant)});
-    let r = http(
-        w.http_addr,
-        "POST",
-        "/v1/completions",
-        &[("content-type", "application/json")],
-        body.to_string().as_bytes(),
-    )
-    .await
-    .unwrap();
-    assert_eq!(r.status, 200, "{}", r.text());
-}
-
 /// A replica's overlap for (prompt, tenant) on worker `w`, in tokens.
 async fn believed(r: &Replica, w: &SimWorker, tokens: &[u32], tenant: &str) -> u64 {
-    let resp = http(
-        r.admin,
-        "POST",
-        "/query",
-        &[("x-tenant-id", tenant)],
-        json!({"model": "m", "token_ids": tokens})
-            .to_string()
-            .as_bytes(),
-    )
-    .await
-    .unwrap();
-    let v: Value = serde_json::from_slice(&resp.body).unwrap();
-    v["instances"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|i| i["worker"] == w.http_addr.to_string())
-        .map_or(0, |i| i["overlap_tokens"].as_u64().unwrap())
-}
-
-fn truth(w: &SimWorker, tokens: &[u32], tenant: &str) -> u64 {
-    let salt = fwd(tenant);
-    w.engine.peek_cached_tokens(&CacheRequest {
-        tokens,
-        salt: Some(&salt),
-        lora_name: None,
-    }) as u64
+    common::sim::believed(r.admin, w.http_addr, tokens, Some(tenant)).await
 }
 
 /// Every replica credits exactly what each worker holds, for every probe.
@@ -599,10 +519,7 @@ async fn the_peer_api_refuses_a_wrong_token() {
     let mut client = pb::replica_client::ReplicaClient::connect(format!("http://{}", r.peer))
         .await
         .unwrap();
-    let err = client
-        .hello(pb::HelloRequest { from_instance: 1 })
-        .await
-        .unwrap_err();
+    let err = client.hello(pb::HelloRequest {}).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::Unauthenticated);
     let mut req = tonic::Request::new(pb::SnapshotRequest::default());
     req.metadata_mut()
@@ -611,7 +528,7 @@ async fn the_peer_api_refuses_a_wrong_token() {
         client.snapshot(req).await.unwrap_err().code(),
         tonic::Code::Unauthenticated
     );
-    let mut req = tonic::Request::new(pb::HelloRequest { from_instance: 1 });
+    let mut req = tonic::Request::new(pb::HelloRequest {});
     req.metadata_mut()
         .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
     assert!(client.hello(req).await.unwrap().into_inner().ready);

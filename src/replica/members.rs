@@ -197,12 +197,7 @@ pub async fn probe_loop(state: Arc<ReplicaState>) {
             let state = state.clone();
             async move {
                 let mut client = state.members.client(addr);
-                let req = authed(
-                    &state,
-                    pb::HelloRequest {
-                        from_instance: state.instance,
-                    },
-                );
+                let req = authed(&state, pb::HelloRequest {});
                 let r = tokio::time::timeout(interval * 2, client.hello(req)).await;
                 (addr, r)
             }

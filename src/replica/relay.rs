@@ -187,22 +187,10 @@ impl RelayHub {
         self.consistent(|| ()).1
     }
 
-    fn model_of(&self, worker: &WorkerId) -> Option<String> {
-        self.router
-            .workers()
-            .into_iter()
-            .find(|w| w.id == *worker)
-            .map(|w| w.model.clone())
-    }
-
     /// Applies one drain of a source this replica owns and appends it to the log (split into
     /// batches that fit a peer message).
     pub fn originate(&self, worker: &WorkerId, events: Vec<NormEvent>) {
-        let Some(model) = self.model_of(worker) else {
-            self.counters.unplaced.inc();
-            return;
-        };
-        let Some(index) = self.router.index(&model).cloned() else {
+        let Some((model, index)) = self.router.worker_index(worker) else {
             self.counters.unplaced.inc();
             return;
         };
@@ -293,9 +281,7 @@ impl RelayHub {
                 if mine.contains(&w) {
                     continue;
                 }
-                if let Some(m) = self.model_of(&w)
-                    && let Some(index) = self.router.index(&m)
-                {
+                if let Some((_, index)) = self.router.worker_index(&w) {
                     let _ = index.clear_worker(&w);
                 }
             }
@@ -349,11 +335,8 @@ impl RelayHub {
     fn place(&self, b: &pb::RelayBatch) -> Option<(WorkerId, Arc<crate::index::KvIndex>)> {
         let endpoint: SocketAddr = b.endpoint.parse().ok()?;
         let worker = WorkerId::with_rank(endpoint, b.dp_rank);
-        if self.model_of(&worker)? != b.model {
-            return None;
-        }
-        let index = self.router.index(&b.model)?.clone();
-        Some((worker, index))
+        let (model, index) = self.router.worker_index(&worker)?;
+        (model == b.model).then_some((worker, index))
     }
 }
 

@@ -61,7 +61,6 @@ impl Replica for Service {
         Ok(Response::new(pb::HelloReply {
             instance: self.state.instance,
             ready: self.state.is_ready(),
-            advertise: String::new(),
             version: env!("CARGO_PKG_VERSION").to_owned(),
             polling: self
                 .state

@@ -58,7 +58,7 @@ pub fn serve(
             let copies: Vec<_> = single
                 .iter()
                 .filter_map(|w| {
-                    let (model, index) = model_index(&state, w)?;
+                    let (model, index) = state.router.worker_index(w)?;
                     Some((*w, model, index.export_worker(w).ok()?))
                 })
                 .collect();
@@ -75,7 +75,7 @@ pub fn serve(
             if single.contains(&w) {
                 continue;
             }
-            let Some((model, index)) = model_index(&state, &w) else {
+            let Some((model, index)) = state.router.worker_index(&w) else {
                 continue;
             };
             let copied = match state.feeds.feed(&w) {
@@ -101,18 +101,6 @@ pub fn serve(
             .await;
     });
     rx
-}
-
-fn model_index(state: &ReplicaState, w: &WorkerId) -> Option<(String, Arc<KvIndex>)> {
-    let model = state
-        .router
-        .workers()
-        .into_iter()
-        .find(|rt| rt.id == *w)?
-        .model
-        .clone();
-    let index = state.router.index(&model)?.clone();
-    Some((model, index))
 }
 
 fn header(
@@ -222,11 +210,7 @@ async fn fetch_into(
                         .map_err(|_| format!("bad worker endpoint `{}`", h.endpoint))?,
                     h.dp_rank,
                 );
-                let runs = state
-                    .router
-                    .workers()
-                    .iter()
-                    .any(|w| w.id == id && w.model == h.model);
+                let runs = state.router.model_of(&id).as_deref() == Some(h.model.as_str());
                 let index = state.router.index(&h.model).cloned().filter(|_| runs);
                 let Some(index) = index else {
                     tracing::warn!(worker = %id, model = %h.model, "snapshot names a worker this replica does not run; skipped");

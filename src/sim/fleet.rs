@@ -110,6 +110,9 @@ pub struct FleetReport {
     pub overcredited_decisions: u64,
     /// Requests the engines could not admit (out of blocks).
     pub rejected: usize,
+    /// Decisions made by a replica whose in-flight counts differed from the fleet's (it knows
+    /// only the requests it routed itself); always 0 with one replica.
+    pub partial_load_views: usize,
 }
 
 impl FleetReport {
@@ -191,6 +194,9 @@ pub fn simulate(spec: &FleetSpec, policy: &Policy, requests: &[WorkloadRequest])
                 let seed = seed_for(cache_salt.as_ref(), None);
                 let (_, seqs) = prompt_hashes(&req.tokens, spec.block_size, seed);
                 let overlaps = index.query(&seqs);
+                if (0..spec.workers).any(|i| routed[replica][i] != engines[i].inflight) {
+                    report.partial_load_views += 1;
+                }
                 let cands: Vec<Candidate> = ids
                     .iter()
                     .enumerate()
@@ -346,6 +352,11 @@ mod tests {
         let three = simulate(&spec, &policy, &work);
         let (h1, h3) = (one.total().hit_rate(), three.total().hit_rate());
         assert!(h1 > 0.3, "the workload has reuse: {h1}");
+        assert_eq!(one.partial_load_views, 0);
+        assert!(
+            three.partial_load_views > 0,
+            "each replica sees only its own requests"
+        );
         // Each replica sees every event but only its own in-flight requests: affinity holds.
         assert!(
             (h1 - h3).abs() < 0.05,

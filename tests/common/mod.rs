@@ -3,6 +3,8 @@
 //! in-process kv-epp servers on ephemeral ports.
 #![allow(dead_code)]
 
+pub mod sim;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};

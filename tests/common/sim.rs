@@ -1,0 +1,152 @@
+//! Simulated vLLM workers for black-box tests, and the checks that compare what kv-epp credits
+//! with what a worker really holds.
+
+use std::net::SocketAddr;
+
+use kv_epp::engine_salt;
+use kv_epp::salt::{CacheSalt, SaltSource};
+use kv_epp::sim::api::Served;
+use kv_epp::sim::engine::EngineConfig;
+use kv_epp::sim::events::{BatchEncoder, EventLayout, HashForm};
+use kv_epp::sim::latency::LatencyModel;
+use kv_epp::sim::prefix_cache::CacheRequest;
+use kv_epp::sim::publisher::PublisherConfig;
+use kv_epp::sim::server::{SimWorker, SimWorkerConfig, start};
+use serde_json::{Value, json};
+
+/// The shape of a simulated worker serving model `m` with no simulated latency.
+#[derive(Clone, Copy, Debug)]
+pub struct SimSpec {
+    pub block_size: usize,
+    pub num_blocks: usize,
+    pub max_num_seqs: usize,
+    /// Fraction of event batches the publisher drops.
+    pub drop: f64,
+    /// Whether the worker has a replay socket.
+    pub replay: bool,
+    pub buffer_steps: usize,
+    pub seed: u64,
+    pub layout: EventLayout,
+    pub hash_form: HashForm,
+    /// The event port (a free one when `None`).
+    pub events_port: Option<u16>,
+}
+
+impl Default for SimSpec {
+    fn default() -> Self {
+        SimSpec {
+            block_size: 16,
+            num_blocks: 600,
+            max_num_seqs: 64,
+            drop: 0.0,
+            replay: true,
+            buffer_steps: 10_000,
+            seed: 1,
+            layout: EventLayout::Map,
+            hash_form: HashForm::Int,
+            events_port: None,
+        }
+    }
+}
+
+/// Starts a simulated worker on loopback.
+pub async fn sim_worker(s: SimSpec) -> SimWorker {
+    let events_port = s.events_port.unwrap_or_else(super::free_port);
+    start(
+        SimWorkerConfig {
+            http_addr: "127.0.0.1:0".parse().unwrap(),
+            served: Served {
+                model: "m".into(),
+                lora_modules: vec![],
+            },
+            engine: EngineConfig {
+                num_blocks: s.num_blocks,
+                block_size: s.block_size,
+                max_num_seqs: s.max_num_seqs,
+                latency: LatencyModel {
+                    base_us: 0,
+                    prefill_us_per_token: 0.0,
+                    decode_us_per_token: 0,
+                },
+            },
+            publisher: PublisherConfig {
+                events_endpoint: format!("tcp://127.0.0.1:{events_port}"),
+                replay_endpoint: s
+                    .replay
+                    .then(|| format!("tcp://127.0.0.1:{}", super::free_port())),
+                topic: String::new(),
+                buffer_steps: s.buffer_steps,
+                drop_fraction: s.drop,
+                fault_seed: s.seed,
+                encoder: BatchEncoder {
+                    layout: s.layout,
+                    hash_form: s.hash_form,
+                    block_size: s.block_size,
+                    lora_modules: vec![],
+                    data_parallel_rank: None,
+                },
+            },
+        },
+        None,
+    )
+    .await
+    .unwrap()
+}
+
+/// A tenant's salt as kv-epp forwards it to the engine.
+pub fn fwd(tenant: &str) -> String {
+    engine_salt::forwarded(&CacheSalt::new(tenant, SaltSource::Body).unwrap().unwrap())
+}
+
+/// Sends a completion straight to the worker, salted as kv-epp would forward it.
+pub async fn send(w: &SimWorker, tokens: &[u32], tenant: &str) {
+    let body = json!({"model": "m", "prompt": tokens, "max_tokens": 1, "cache_salt": fwd(tenant)});
+    let r = super::http(
+        w.http_addr,
+        "POST",
+        "/v1/completions",
+        &[("content-type", "application/json")],
+        body.to_string().as_bytes(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+}
+
+/// kv-epp's overlap (tokens) for a prompt on `worker`, from the admin `/query` at `admin`.
+pub async fn believed(
+    admin: SocketAddr,
+    worker: SocketAddr,
+    tokens: &[u32],
+    tenant: Option<&str>,
+) -> u64 {
+    let headers: Vec<(&str, &str)> = tenant.map(|t| ("x-tenant-id", t)).into_iter().collect();
+    let r = super::http(
+        admin,
+        "POST",
+        "/query",
+        &headers,
+        json!({"model": "m", "token_ids": tokens})
+            .to_string()
+            .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let v: Value = serde_json::from_slice(&r.body).unwrap();
+    v["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["worker"] == worker.to_string())
+        .map_or(0, |i| i["overlap_tokens"].as_u64().unwrap_or(0))
+}
+
+/// What the worker really holds (tokens) for a prompt under a tenant.
+pub fn truth(w: &SimWorker, tokens: &[u32], tenant: &str) -> u64 {
+    let salt = fwd(tenant);
+    w.engine.peek_cached_tokens(&CacheRequest {
+        tokens,
+        salt: Some(&salt),
+        lora_name: None,
+    }) as u64
+}

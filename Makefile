@@ -7,8 +7,8 @@ TRACE ?=
 
 ## The main job on an embedded default workload.
 demo: tools
-	$(CARGO) build --release --bin kv-epp
-	./target/release/kv-epp demo --envoy .venv/bin/envoy $(DEMO_ARGS)
+	$(CARGO) build --release -p kv-epp-sim --bin kv-epp-sim
+	./target/release/kv-epp-sim demo --envoy .venv/bin/envoy $(DEMO_ARGS)
 
 demo-quick:
 	$(MAKE) demo DEMO_ARGS=--quick
@@ -24,19 +24,19 @@ tools:
 
 lint:
 	$(CARGO) fmt --all -- --check
-	$(CARGO) clippy --all-targets -- -D warnings
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 unit:
-	KV_EPP_VENV=$(CURDIR)/.venv $(CARGO) test --all-targets
+	KV_EPP_VENV=$(CURDIR)/.venv $(CARGO) test --workspace --all-targets
 
-## kv-epp sim-worker (the real binary) against an independent msgspec/pyzmq decoder.
+## kv-epp-sim sim-worker (the real binary) against an independent msgspec/pyzmq decoder.
 sim-test:
-	$(CARGO) build --bin kv-epp
-	KV_EPP_BIN=$(abspath $(or $(CARGO_TARGET_DIR),target))/debug/kv-epp .venv/bin/python -m pytest -q tests/sim
+	$(CARGO) build -p kv-epp-sim --bin kv-epp-sim
+	KV_EPP_SIM_BIN=$(abspath $(or $(CARGO_TARGET_DIR),target))/debug/kv-epp-sim .venv/bin/python -m pytest -q tests/sim
 
 ## The Helm chart (deploy/helm/kv-epp) rendered with several value sets; no cluster needed.
 helm-test:
-	$(CARGO) build --bin kv-epp
+	$(CARGO) build -p kv-epp --bin kv-epp
 	KV_EPP_BIN=$(abspath $(or $(CARGO_TARGET_DIR),target))/debug/kv-epp .venv/bin/python -m pytest -q tests/helm
 
 ## Benchmarks print figures as ratios against a baseline measured in the same run.

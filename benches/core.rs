@@ -21,12 +21,12 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use kv_epp::hashing::{HashSeed, local_block_hashes, prompt_hashes};
-use kv_epp::index::holders::MAPPED_BYTES;
-use kv_epp::index::{EngineBlockHash, IndexLimits, KvIndex, Medium, StoreBlocks};
-use kv_epp::sim::fleet::percentile;
-use kv_epp::worker::WorkerId;
-use kv_epp::workload::read_mooncake;
+use kv_epp_core::hashing::{HashSeed, local_block_hashes, prompt_hashes};
+use kv_epp_core::index::holders::MAPPED_BYTES;
+use kv_epp_core::index::{EngineBlockHash, IndexLimits, KvIndex, Medium, StoreBlocks};
+use kv_epp_core::worker::WorkerId;
+use kv_epp_sim::fleet::percentile;
+use kv_epp_sim::workload::read_mooncake;
 
 struct Counting;
 static LIVE: AtomicUsize = AtomicUsize::new(0);
@@ -543,7 +543,7 @@ fn bench_index(pop: &Population, workers: usize, salted: bool) {
 
 fn measure_queries(
     index: &KvIndex,
-    queries: &[Vec<kv_epp::hashing::SequenceHash>],
+    queries: &[Vec<kv_epp_core::hashing::SequenceHash>],
     n: usize,
 ) -> Vec<u64> {
     let mut lat = Vec::with_capacity(n);

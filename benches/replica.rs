@@ -16,17 +16,17 @@ use std::time::{Duration, Instant};
 
 use kv_epp::config::{Config, PeersConfig};
 use kv_epp::events::Feeds;
-use kv_epp::hashing::HashSeed;
-use kv_epp::index::holders::MAPPED_BYTES;
-use kv_epp::index::{EngineBlockHash, Medium, StoreBlocks};
 use kv_epp::metrics::Metrics;
 use kv_epp::readiness::Readiness;
 use kv_epp::replica::{self, ReplicaState};
 use kv_epp::router::Router;
-use kv_epp::scoring::ScoringConfig;
-use kv_epp::sim::fleet::{FleetSpec, Policy, simulate};
-use kv_epp::sim::latency::LatencyModel;
-use kv_epp::workload::{GeneratorSpec, generate};
+use kv_epp_core::hashing::HashSeed;
+use kv_epp_core::index::holders::MAPPED_BYTES;
+use kv_epp_core::index::{EngineBlockHash, Medium, StoreBlocks};
+use kv_epp_core::scoring::ScoringConfig;
+use kv_epp_sim::fleet::{FleetSpec, Policy, simulate};
+use kv_epp_sim::latency::LatencyModel;
+use kv_epp_sim::workload::{GeneratorSpec, generate};
 
 struct Counting;
 static LIVE: AtomicUsize = AtomicUsize::new(0);

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use kv_epp::tokenize::{
+use kv_epp_tokenize::{
     Endpoint, ModelCatalog, ModelTokenizer, Prompt, TokenizerFiles, parse_request,
 };
 

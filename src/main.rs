@@ -22,10 +22,6 @@ enum Command {
     Hash(cli::hash::HashArgs),
     /// Show the model, token IDs, salt fingerprint, block hashes and forwarded body of a request.
     Tokenize(cli::tokenize::TokenizeArgs),
-    /// Route a multi-tenant workload with kv-epp and with round-robin and compare.
-    Demo(cli::demo::DemoArgs),
-    /// Run a simulated vLLM worker: OpenAI HTTP API, prefix cache, KV events over ZeroMQ.
-    SimWorker(cli::sim_worker::SimWorkerArgs),
 }
 
 fn main() -> ExitCode {
@@ -38,8 +34,6 @@ fn main() -> ExitCode {
         Command::Tokenize(args) => cli::tokenize::run(&args, std::io::stdin().lock()).map(|out| {
             println!("{out}");
         }),
-        Command::Demo(args) => cli::demo::run(&args).map(|out| print!("{out}")),
-        Command::SimWorker(args) => cli::sim_worker::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -17,7 +17,7 @@ use kube_api::{FakeKube, Res, endpoint_slice, pod, pool_v1, pool_v1alpha2};
 use kv_epp::config::Config;
 use kv_epp::router::RouteRequest;
 use kv_epp::server::Server;
-use kv_epp::sim::server::SimWorker;
+use kv_epp_sim::server::SimWorker;
 use serde_json::json;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;

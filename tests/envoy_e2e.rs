@@ -7,10 +7,10 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use common::*;
-use kv_epp::hashing::HashSeed;
-use kv_epp::index::{EngineBlockHash, Medium, StoreBlocks};
 use kv_epp::server::Server;
-use kv_epp::worker::WorkerId;
+use kv_epp_core::hashing::HashSeed;
+use kv_epp_core::index::{EngineBlockHash, Medium, StoreBlocks};
+use kv_epp_core::worker::WorkerId;
 
 /// Seeds `worker` as holding `tokens` (block size 4) under `salt`.
 fn seed(server: &Server, worker: SocketAddr, tokens: &[u32], salt: Option<&str>) {

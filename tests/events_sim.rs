@@ -12,9 +12,9 @@ use common::http;
 use common::sim::{SimSpec, send, sim_worker, truth};
 use kv_epp::config::Config;
 use kv_epp::server::Server;
-use kv_epp::sim::events::{EventLayout, HashForm};
-use kv_epp::sim::server::SimWorker;
-use kv_epp::workload::{GeneratorSpec, generate};
+use kv_epp_sim::events::{EventLayout, HashForm};
+use kv_epp_sim::server::SimWorker;
+use kv_epp_sim::workload::{GeneratorSpec, generate};
 
 const BS: usize = 16;
 

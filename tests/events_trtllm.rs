@@ -7,10 +7,10 @@ use std::sync::{Arc, Mutex};
 
 use common::{eventually, http};
 use kv_epp::config::Config;
-use kv_epp::engine_salt;
-use kv_epp::salt::{CacheSalt, SaltSource};
 use kv_epp::server::Server;
-use kv_epp::worker::WorkerId;
+use kv_epp_core::engine_salt;
+use kv_epp_core::salt::{CacheSalt, SaltSource};
+use kv_epp_core::worker::WorkerId;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 

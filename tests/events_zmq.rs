@@ -10,9 +10,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::{eventually, free_port, http};
 use kv_epp::config::Config;
-use kv_epp::engine_salt;
-use kv_epp::salt::{CacheSalt, SaltSource};
 use kv_epp::server::Server;
+use kv_epp_core::engine_salt;
+use kv_epp_core::salt::{CacheSalt, SaltSource};
 use rmpv::Value;
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
@@ -261,7 +261,7 @@ async fn end_to_end(map_layout: bool, bytes_hashes: bool) {
             .router
             .index("m")
             .unwrap()
-            .worker_blocks(&kv_epp::worker::WorkerId::new(worker))
+            .worker_blocks(&kv_epp_core::worker::WorkerId::new(worker))
             .unwrap()
             == 4
     })
@@ -308,7 +308,7 @@ async fn end_to_end(map_layout: bool, bytes_hashes: bool) {
             .router
             .index("m")
             .unwrap()
-            .worker_blocks(&kv_epp::worker::WorkerId::new(worker))
+            .worker_blocks(&kv_epp_core::worker::WorkerId::new(worker))
             .unwrap()
             == 1)
         .await
@@ -349,7 +349,7 @@ async fn without_replay_a_gap_drops_state_and_fresh_events_recover() {
     let worker: SocketAddr = "127.0.0.1:18002".parse().unwrap();
     let server = kv_epp(worker, pub_port, None).await;
     wait_subscribed(&server).await;
-    let id = kv_epp::worker::WorkerId::new(worker);
+    let id = kv_epp_core::worker::WorkerId::new(worker);
     engine
         .publish(
             vec![engine.stored(&[1, 2], None, &[1, 1, 1, 1, 2, 2, 2, 2], None)],
@@ -399,7 +399,7 @@ async fn malformed_frames_leave_the_subscriber_running_and_the_index_unchanged()
     let worker: SocketAddr = "127.0.0.1:18003".parse().unwrap();
     let server = kv_epp(worker, pub_port, None).await;
     wait_subscribed(&server).await;
-    let id = kv_epp::worker::WorkerId::new(worker);
+    let id = kv_epp_core::worker::WorkerId::new(worker);
     engine
         .publish(vec![engine.stored(&[1], None, &[1, 2, 3, 4], None)], false)
         .await;

@@ -21,8 +21,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     HttpBody, HttpHeaders, ProcessingRequest, ProtocolConfiguration, processing_request::Request,
     processing_response::Response,
 };
-use kv_epp::sim::server::SimWorker;
-use kv_epp::workload::{GeneratorSpec, generate};
+use kv_epp_sim::server::SimWorker;
+use kv_epp_sim::workload::{GeneratorSpec, generate};
 use serde_json::{Value, json};
 use tokio::net::{TcpListener, TcpStream};
 

@@ -1,4 +1,4 @@
-//! Conformance of `kv_epp::tokenize` with Hugging Face transformers: every case of
+//! Conformance of `kv_epp_tokenize` with Hugging Face transformers: every case of
 //! `tests/fixtures/tokenizer/cases.json` (see `scripts/gen_tokenizer_fixtures.py` for the
 //! contract) goes through the public entry point, `ModelCatalog::tokenize`, as a request body;
 //! the rendered prompt and the token ids must equal the reference's, and `expected_error` cases
@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
-use kv_epp::tokenize::{
+use kv_epp_tokenize::{
     Endpoint, LoraAdapter, ModelCatalog, ModelTokenizer, Prompt, TokenizerFiles, parse_request,
 };
 
@@ -282,7 +282,7 @@ fn lora_adapter_routes_on_base_tokenizer() {
     let unknown = catalog.tokenize(Endpoint::Completions, body("other").as_bytes());
     assert!(matches!(
         unknown,
-        Err(kv_epp::tokenize::TokenizeError::UnknownModel(_))
+        Err(kv_epp_tokenize::TokenizeError::UnknownModel(_))
     ));
     // Pre-tokenized prompts are used as is, but must be in the vocabulary.
     let ids = catalog

@@ -4,12 +4,12 @@
 
 use std::io::Read;
 
-use kv_epp::hashing::{HashSeed, prompt_hashes};
-use kv_epp::salt::{CacheSalt, SaltSource};
+use kv_epp_core::hashing::{HashSeed, prompt_hashes};
+use kv_epp_core::salt::{CacheSalt, SaltSource};
 
 /// Flags of `kv-epp hash`.
 #[derive(clap::Args, Debug)]
-pub struct HashArgs {
+pub(crate) struct HashArgs {
     /// Tokens per block.
     #[arg(long)]
     pub block_size: usize,
@@ -22,7 +22,7 @@ pub struct HashArgs {
 }
 
 /// Runs the subcommand on `input`, returning the JSON line to print.
-pub fn run(args: &HashArgs, mut input: impl Read) -> Result<String, String> {
+pub(crate) fn run(args: &HashArgs, mut input: impl Read) -> Result<String, String> {
     let mut text = String::new();
     input
         .read_to_string(&mut text)

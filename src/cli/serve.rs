@@ -3,11 +3,12 @@
 use std::path::PathBuf;
 
 use kv_epp::config::Config;
+use kv_epp::process::{init_logs, shutdown_signal};
 use kv_epp::server::Server;
 
 /// Flags of `kv-epp serve`; names match the reference endpoint picker where they overlap.
 #[derive(clap::Args, Debug)]
-pub struct ServeArgs {
+pub(crate) struct ServeArgs {
     /// The YAML configuration file.
     #[arg(long)]
     pub config_file: Option<PathBuf>,
@@ -50,7 +51,7 @@ pub struct ServeArgs {
 }
 
 /// Builds the effective configuration: file, then flags, then validation.
-pub fn effective_config(args: &ServeArgs) -> Result<Config, String> {
+pub(crate) fn effective_config(args: &ServeArgs) -> Result<Config, String> {
     let mut c = match &args.config_file {
         Some(p) => Config::from_file(p).map_err(|e| e.to_string())?,
         None => Config::default(),
@@ -99,7 +100,7 @@ pub fn effective_config(args: &ServeArgs) -> Result<Config, String> {
 }
 
 /// Runs the server until a shutdown signal.
-pub fn run(args: &ServeArgs) -> Result<(), String> {
+pub(crate) fn run(args: &ServeArgs) -> Result<(), String> {
     init_logs(&args.log_format)?;
     let config = effective_config(args)?;
     if args.validate_only {
@@ -122,39 +123,4 @@ pub fn run(args: &ServeArgs) -> Result<(), String> {
         server.stop().await;
         Ok(())
     })
-}
-
-/// Installs the log subscriber (`KV_EPP_LOG` filter, `text` or `json`).
-pub fn init_logs(format: &str) -> Result<(), String> {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("KV_EPP_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
-    match format {
-        "json" => builder.json().init(),
-        "text" => builder.init(),
-        other => return Err(format!("--log-format must be text or json, got `{other}`")),
-    }
-    Ok(())
-}
-
-/// Resolves on SIGTERM or Ctrl-C.
-pub async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = term => {},
-    }
 }

@@ -6,17 +6,17 @@ use std::io::Read;
 use std::path::PathBuf;
 
 use kv_epp::config::Config;
-use kv_epp::engine_salt;
-use kv_epp::fingerprint::FingerprintKey;
 use kv_epp::forward::rewrite_salt;
-use kv_epp::hashing::prompt_hashes;
 use kv_epp::request::{self, Prompt};
-use kv_epp::salt::{SaltInputs, resolve, seed_for};
-use kv_epp::tokenize::{Endpoint, TokenizeError};
+use kv_epp_core::engine_salt;
+use kv_epp_core::fingerprint::FingerprintKey;
+use kv_epp_core::hashing::prompt_hashes;
+use kv_epp_core::salt::{SaltInputs, resolve, seed_for};
+use kv_epp_tokenize::{Endpoint, TokenizeError};
 
 /// Flags of `kv-epp tokenize`.
 #[derive(clap::Args, Debug)]
-pub struct TokenizeArgs {
+pub(crate) struct TokenizeArgs {
     /// The configuration file (models, tokenizers, salt policy).
     #[arg(long)]
     pub config_file: PathBuf,
@@ -29,7 +29,7 @@ pub struct TokenizeArgs {
 }
 
 /// Runs the subcommand on a body read from `input`; returns the JSON to print.
-pub fn run(args: &TokenizeArgs, mut input: impl Read) -> Result<String, String> {
+pub(crate) fn run(args: &TokenizeArgs, mut input: impl Read) -> Result<String, String> {
     let config = Config::from_file(&args.config_file).map_err(|e| e.to_string())?;
     config.validate().map_err(|e| e.to_string())?;
     let catalog = config.load_tokenizers().map_err(|e| e.to_string())?;

@@ -44,7 +44,7 @@ impl SkipReason {
 
 /// The desired workers and the pods skipped, by reason.
 #[derive(Debug, Default)]
-pub struct Endpoints {
+pub(super) struct Endpoints {
     /// Workers to run, ordered by id.
     pub workers: Vec<DesiredWorker>,
     /// Skipped pods (name, reason).
@@ -52,7 +52,7 @@ pub struct Endpoints {
 }
 
 /// The workers of `pool` among `pods`.
-pub fn desired<'a>(
+pub(super) fn desired<'a>(
     config: &Config,
     pool: &PoolSpec,
     pods: impl IntoIterator<Item = &'a DynamicObject>,

@@ -10,7 +10,7 @@ use serde_json::Value;
 use crate::config::PoolApiVersion;
 
 /// Most target ports a pool may list (the v1 CRD's limit).
-pub const MAX_TARGET_PORTS: usize = 8;
+pub(super) const MAX_TARGET_PORTS: usize = 8;
 
 /// One served InferencePool API.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,7 +77,7 @@ impl PoolSpec {
 }
 
 /// Reads a pool's `spec` under the given API's schema.
-pub fn parse(api: PoolApi, spec: &Value) -> Result<PoolSpec, String> {
+pub(super) fn parse(api: PoolApi, spec: &Value) -> Result<PoolSpec, String> {
     let (selector, ports) = match api {
         PoolApi::V1 => (
             spec.pointer("/selector/matchLabels"),
@@ -129,7 +129,7 @@ fn port(v: Option<&Value>, field: &str) -> Result<u16, String> {
 }
 
 /// A label map (`{"k": "v"}`); non-string values are refused.
-pub fn labels(v: Option<&Value>) -> Result<BTreeMap<String, String>, String> {
+pub(super) fn labels(v: Option<&Value>) -> Result<BTreeMap<String, String>, String> {
     let map = v
         .and_then(Value::as_object)
         .ok_or("the pool's selector is missing or not a map")?;

@@ -8,7 +8,7 @@
 //!
 //! Every response carries `connection: close`, so a stopped server is really unreachable: no
 //! client keeps a pooled connection to it.
-#![allow(dead_code)]
+#![allow(dead_code, unreachable_pub)]
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::convert::Infallible;

@@ -1,7 +1,7 @@
 //! Shared harness for black-box tests: real Envoy from the project's venv, fake OpenAI-style
 //! upstream workers, a raw HTTP/1.1 client that can abort mid-body or mid-response, and
 //! in-process kv-epp servers on ephemeral ports.
-#![allow(dead_code)]
+#![allow(dead_code, unreachable_pub)]
 
 pub mod sim;
 

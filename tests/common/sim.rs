@@ -3,15 +3,15 @@
 
 use std::net::SocketAddr;
 
-use kv_epp::engine_salt;
-use kv_epp::salt::{CacheSalt, SaltSource};
-use kv_epp::sim::api::Served;
-use kv_epp::sim::engine::EngineConfig;
-use kv_epp::sim::events::{BatchEncoder, EventLayout, HashForm};
-use kv_epp::sim::latency::LatencyModel;
-use kv_epp::sim::prefix_cache::CacheRequest;
-use kv_epp::sim::publisher::PublisherConfig;
-use kv_epp::sim::server::{SimWorker, SimWorkerConfig, start};
+use kv_epp_core::engine_salt;
+use kv_epp_core::salt::{CacheSalt, SaltSource};
+use kv_epp_sim::api::Served;
+use kv_epp_sim::engine::EngineConfig;
+use kv_epp_sim::events::{BatchEncoder, EventLayout, HashForm};
+use kv_epp_sim::latency::LatencyModel;
+use kv_epp_sim::prefix_cache::CacheRequest;
+use kv_epp_sim::publisher::PublisherConfig;
+use kv_epp_sim::server::{SimWorker, SimWorkerConfig, start};
 use serde_json::{Value, json};
 
 /// The shape of a simulated worker serving model `m` with no simulated latency.

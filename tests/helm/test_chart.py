@@ -701,6 +701,23 @@ def test_dockerfile_exposes_the_chart_ports(chart):
     assert re.search(r"^USER 65532", dockerfile, re.M), "runs as the non-root user the chart expects"
 
 
+def test_dockerfile_builds_the_product_alone_from_the_whole_workspace():
+    """The image builds only the `kv-epp` package (no simulator inside) and copies every file the
+    workspace needs to resolve: each member listed in Cargo.toml, build.rs and proto/."""
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    copied = {p.rstrip("/") for line in re.findall(r"^COPY (?!--)(.+?) \S+$", dockerfile, re.M) for p in line.split()}
+    manifest = (ROOT / "Cargo.toml").read_text()
+    members = re.search(r"^members = \[(.*?)\]", manifest, re.M | re.S).group(1)
+    for member in re.findall(r'"([^"]+)"', members):
+        top = member.split("/")[0]
+        assert member == "." or top in copied, f"workspace member {member} is not copied into the image"
+    for needed in ("Cargo.toml", "Cargo.lock", "build.rs", "proto", "src"):
+        assert needed in copied, f"{needed} is not copied into the image"
+    build = re.search(r"cargo build (.+?)\\?$", dockerfile, re.M).group(1)
+    assert "-p kv-epp " in build and "--bin kv-epp" in build, build
+    assert "kv-epp-sim" not in build
+
+
 def helm_install_values(readme: Path) -> dict:
     """The values of the `helm install` command in a README, as Helm's --set parser reads them."""
     text = readme.read_text()

@@ -1,4 +1,4 @@
-"""Black-box tests of `kv-epp sim-worker` with an independent KV event decoder.
+"""Black-box tests of `kv-epp-sim sim-worker` with an independent KV event decoder.
 
 The real binary is started on free loopback ports; requests go over HTTP; KV events are read over
 real ZeroMQ (pyzmq/libzmq) and decoded with msgspec structs written from the wire spec
@@ -36,7 +36,7 @@ except ImportError as missing:  # pragma: no cover - depends on the environment
     pytest.skip(f"{missing}; run `make tools` to install msgspec and pyzmq", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(os.environ.get("KV_EPP_BIN", ROOT / "target" / "debug" / "kv-epp"))
+BIN = Path(os.environ.get("KV_EPP_SIM_BIN", ROOT / "target" / "debug" / "kv-epp-sim"))
 if not BIN.is_file():  # pragma: no cover - depends on the environment
     if os.environ.get("CI") == "true":
         raise FileNotFoundError(f"{BIN} not found: build it first (`make sim-test` does)")
@@ -154,7 +154,7 @@ def free_port() -> int:
 
 
 class Worker:
-    """One `kv-epp sim-worker` process with a SUB socket on its events."""
+    """One `kv-epp-sim sim-worker` process with a SUB socket on its events."""
 
     def __init__(
         self, tmp: Path, *flags: str, replay: bool = True, subscribe: bool = True,
@@ -185,7 +185,7 @@ class Worker:
             env={**os.environ, "KV_EPP_LOG": "warn"},
         )
         deadline = time.monotonic() + 20
-        while "kv-epp sim-worker:" not in (text := self.log.read_text()):
+        while "kv-epp-sim sim-worker:" not in (text := self.log.read_text()):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"sim-worker did not start: {self.log.read_text()}")
             time.sleep(0.02)

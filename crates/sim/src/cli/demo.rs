@@ -1,4 +1,4 @@
-//! `kv-epp demo`: the multi-tenant shared-prefix workload routed by kv-epp and by round-robin,
+//! `kv-epp-sim demo`: the multi-tenant shared-prefix workload routed by kv-epp and by round-robin,
 //! side by side, with per-tenant hit rates, simulated TTFT and an isolation check.
 //!
 //! By default everything runs over real sockets (see `demo_net.rs`): simulated vLLM workers,
@@ -8,14 +8,14 @@
 
 use std::path::PathBuf;
 
-use kv_epp::scoring::ScoringConfig;
-use kv_epp::sim::fleet::{FleetReport, FleetSpec, Policy, simulate};
-use kv_epp::sim::latency::LatencyModel;
-use kv_epp::workload::{GeneratorSpec, generate, read_mooncake};
+use kv_epp_core::scoring::ScoringConfig;
+use kv_epp_sim::fleet::{FleetReport, FleetSpec, Policy, simulate};
+use kv_epp_sim::latency::LatencyModel;
+use kv_epp_sim::workload::{GeneratorSpec, generate, read_mooncake};
 
-/// Flags of `kv-epp demo`.
+/// Flags of `kv-epp-sim demo`.
 #[derive(clap::Args, Debug)]
-pub struct DemoArgs {
+pub(crate) struct DemoArgs {
     /// A small, fast run (for tests).
     #[arg(long)]
     pub quick: bool,
@@ -46,7 +46,7 @@ pub struct DemoArgs {
 }
 
 /// Runs the demo and returns the report text, or an error when a check failed.
-pub fn run(args: &DemoArgs) -> Result<String, String> {
+pub(crate) fn run(args: &DemoArgs) -> Result<String, String> {
     let work = match &args.trace {
         Some(path) => read_mooncake(path, 32_000, args.trace_tenants, Some(args.trace_requests))
             .map_err(|e| e.to_string())?,

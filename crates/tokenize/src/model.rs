@@ -395,7 +395,7 @@ impl ModelTokenizer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tokenize::request::{Endpoint, parse_request};
+    use crate::request::{Endpoint, parse_request};
 
     fn chat(model: &ModelTokenizer, body: &str) -> Result<String, TokenizeError> {
         match parse_request(Endpoint::ChatCompletions, body.as_bytes())?.prompt {
@@ -408,7 +408,7 @@ mod tests {
     fn named_templates_and_load_errors() {
         let fixtures = concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/tests/fixtures/tokenizer/small-bpe"
+            "/../../tests/fixtures/tokenizer/small-bpe"
         );
         let dir = std::env::temp_dir().join(format!("kv-epp-model-test-{}", std::process::id()));
         fs::create_dir_all(&dir).unwrap();

@@ -21,8 +21,8 @@ use rand::{Rng, SeedableRng};
 use tokio::sync::mpsc;
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
-use crate::sim::engine::PublishMsg;
-use crate::sim::events::{BatchEncoder, ReplayBuffer, frames, parse_replay_request};
+use crate::engine::PublishMsg;
+use crate::events::{BatchEncoder, ReplayBuffer, frames, parse_replay_request};
 
 /// Publisher settings.
 #[derive(Clone, Debug)]

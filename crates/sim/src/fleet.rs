@@ -1,5 +1,5 @@
 //! An in-process fleet simulation: simulated engines (vLLM-like prefix caches with the latency
-//! model) fed by a routing policy, in simulated time. Used by `kv-epp demo --in-process` and by the
+//! model) fed by a routing policy, in simulated time. Used by `kv-epp-sim demo --in-process` and by the
 //! routing benchmarks; the network demo drives real `sim-worker` processes instead.
 //!
 //! kv-epp's side is real: the KV index is fed only from the engines' own events (the same event
@@ -14,14 +14,14 @@ use std::collections::{BinaryHeap, HashMap};
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
-use crate::hashing::prompt_hashes;
-use crate::index::{EngineBlockHash, IndexLimits, KvIndex, Medium, StoreBlocks};
-use crate::salt::{CacheSalt, SaltSource, seed_for};
-use crate::scoring::{Candidate, ScoringConfig, pick};
-use crate::sim::latency::LatencyModel;
-use crate::sim::prefix_cache::{CacheEvent, CacheRequest, EngineDigest, ExtraKey, PrefixCache};
-use crate::worker::WorkerId;
+use crate::latency::LatencyModel;
+use crate::prefix_cache::{CacheEvent, CacheRequest, EngineDigest, ExtraKey, PrefixCache};
 use crate::workload::WorkloadRequest;
+use kv_epp_core::hashing::prompt_hashes;
+use kv_epp_core::index::{EngineBlockHash, IndexLimits, KvIndex, Medium, StoreBlocks};
+use kv_epp_core::salt::{CacheSalt, SaltSource, seed_for};
+use kv_epp_core::scoring::{Candidate, ScoringConfig, pick};
+use kv_epp_core::worker::WorkerId;
 
 /// How requests are assigned to engines.
 #[derive(Clone, Debug)]
@@ -225,7 +225,7 @@ pub fn simulate(spec: &FleetSpec, policy: &Policy, requests: &[WorkloadRequest])
         };
         let engine = &mut engines[chosen];
         // The engine receives the salt in kv-epp's forwarded form, as in production.
-        let forwarded = cache_salt.as_ref().map(crate::engine_salt::forwarded);
+        let forwarded = cache_salt.as_ref().map(kv_epp_core::engine_salt::forwarded);
         let creq = CacheRequest {
             tokens: &req.tokens,
             salt: forwarded.as_deref(),
@@ -294,15 +294,15 @@ pub fn apply_event(index: &KvIndex, worker: &WorkerId, ev: &CacheEvent) {
             lora_name,
         } => {
             // The same namespace rule the event subscriber applies.
-            let first: Vec<crate::events::vllm::ExtraKey> = extra_keys
+            let first: Vec<kv_epp::events::vllm::ExtraKey> = extra_keys
                 .first()
                 .into_iter()
                 .flatten()
                 .map(|k| match k {
-                    ExtraKey::Str(s) => crate::events::vllm::ExtraKey::Str(s.clone()),
+                    ExtraKey::Str(s) => kv_epp::events::vllm::ExtraKey::Str(s.clone()),
                 })
                 .collect();
-            let root_seed = crate::events::apply::root_seed(lora_name.as_deref(), &first);
+            let root_seed = kv_epp::events::apply::root_seed(lora_name.as_deref(), &first);
             let engine: Vec<EngineBlockHash> =
                 hashes.iter().map(|h| EngineBlockHash(h.as_u64())).collect();
             // Ignoring the result: a worker that was removed meanwhile has nothing to update.

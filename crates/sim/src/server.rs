@@ -1,7 +1,7 @@
 //! `sim-worker`'s HTTP edge: an OpenAI-compatible server in front of one simulated [`Engine`],
 //! plus the vLLM-named metrics and the admin endpoints. Thin: parsing and validation live in
-//! [`crate::sim::api`], scheduling and the cache in [`crate::sim::engine`], the wire in
-//! [`crate::sim::publisher`].
+//! [`crate::api`], scheduling and the cache in [`crate::engine`], the wire in
+//! [`crate::publisher`].
 //!
 //! Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (JSON, or SSE with
 //! `"stream": true`; the final usage chunk is sent when `stream_options.include_usage` is true, as
@@ -26,10 +26,10 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::sim::api::{ApiError, Endpoint, Served, SimRequest, TokenizeHook, parse_request};
-use crate::sim::engine::{Engine, EngineConfig, EngineError, Running};
-use crate::sim::prefix_cache::CacheRequest;
-use crate::sim::publisher::{self, BoundPublisher, PublisherConfig};
+use crate::api::{ApiError, Endpoint, Served, SimRequest, TokenizeHook, parse_request};
+use crate::engine::{Engine, EngineConfig, EngineError, Running};
+use crate::prefix_cache::CacheRequest;
+use crate::publisher::{self, BoundPublisher, PublisherConfig};
 
 /// Everything a simulated worker needs to start.
 #[derive(Clone, Debug)]
@@ -286,7 +286,7 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
 pub fn render_metrics(
     model: &str,
     config: &EngineConfig,
-    s: &crate::sim::engine::EngineStats,
+    s: &crate::engine::EngineStats,
 ) -> String {
     let labels = format!("{{model_name=\"{}\",engine=\"0\"}}", escape_label(model));
     let mut out = String::new();
@@ -356,8 +356,8 @@ async fn restart(State(app): State<Arc<App>>) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sim::engine::EngineStats;
-    use crate::sim::latency::LatencyModel;
+    use crate::engine::EngineStats;
+    use crate::latency::LatencyModel;
 
     async fn http(addr: SocketAddr, path: &str, body: &str) -> String {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -380,9 +380,9 @@ mod tests {
             Endpoint::Chat => Ok(vec![1, 2, 3, 4, 5]),
             _ => Err("only chat here".into()),
         });
-        let encoder = crate::sim::events::BatchEncoder {
-            layout: crate::sim::events::EventLayout::Map,
-            hash_form: crate::sim::events::HashForm::Int,
+        let encoder = crate::events::BatchEncoder {
+            layout: crate::events::EventLayout::Map,
+            hash_form: crate::events::HashForm::Int,
             block_size: 4,
             lora_modules: vec![],
             data_parallel_rank: None,

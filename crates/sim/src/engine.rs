@@ -18,8 +18,8 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
 
-use crate::sim::latency::LatencyModel;
-use crate::sim::prefix_cache::{CacheEvent, CacheRequest, PrefixCache};
+use crate::latency::LatencyModel;
+use crate::prefix_cache::{CacheEvent, CacheRequest, PrefixCache};
 
 /// Shape and timing of one engine.
 #[derive(Clone, Debug)]

@@ -125,7 +125,7 @@ fn format_civil(t: &Civil, fmt: &str) -> String {
 }
 
 /// The `strftime_now` template global: formats the current UTC time.
-pub fn strftime_now(fmt: &str) -> String {
+pub(crate) fn strftime_now(fmt: &str) -> String {
     let secs = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));

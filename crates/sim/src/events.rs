@@ -28,7 +28,7 @@ use std::collections::VecDeque;
 
 use bytes::Bytes;
 
-use crate::sim::prefix_cache::{CacheEvent, EngineDigest, ExtraKey};
+use crate::prefix_cache::{CacheEvent, EngineDigest, ExtraKey};
 
 /// Which event layout to write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]

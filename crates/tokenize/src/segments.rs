@@ -233,7 +233,7 @@ mod tests {
     fn small_bpe() -> Tokenizer {
         let path = concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/tests/fixtures/tokenizer/small-bpe/tokenizer.json"
+            "/../../tests/fixtures/tokenizer/small-bpe/tokenizer.json"
         );
         Tokenizer::from_file(path).unwrap()
     }

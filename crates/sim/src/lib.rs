@@ -10,3 +10,4 @@ pub mod latency;
 pub mod prefix_cache;
 pub mod publisher;
 pub mod server;
+pub mod workload;

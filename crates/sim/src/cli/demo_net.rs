@@ -13,22 +13,22 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kv_epp::config::Config;
-use kv_epp::engine_salt;
 use kv_epp::extproc::usage::UsageScanner;
 use kv_epp::httpc;
-use kv_epp::salt::{CacheSalt, SaltSource};
 use kv_epp::server::Server;
-use kv_epp::sim::api::Served;
-use kv_epp::sim::engine::EngineConfig;
-use kv_epp::sim::events::{BatchEncoder, EventLayout, HashForm};
-use kv_epp::sim::latency::LatencyModel;
-use kv_epp::sim::publisher::PublisherConfig;
-use kv_epp::sim::server::{SimWorker, SimWorkerConfig, start};
-use kv_epp::workload::WorkloadRequest;
+use kv_epp_core::engine_salt;
+use kv_epp_core::salt::{CacheSalt, SaltSource};
+use kv_epp_sim::api::Served;
+use kv_epp_sim::engine::EngineConfig;
+use kv_epp_sim::events::{BatchEncoder, EventLayout, HashForm};
+use kv_epp_sim::latency::LatencyModel;
+use kv_epp_sim::publisher::PublisherConfig;
+use kv_epp_sim::server::{SimWorker, SimWorkerConfig, start};
+use kv_epp_sim::workload::WorkloadRequest;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-const ENVOY_YAML: &str = include_str!("../../deploy/envoy/envoy.yaml");
+const ENVOY_YAML: &str = include_str!("../../../../deploy/envoy/envoy.yaml");
 const MODEL: &str = "demo-model";
 
 /// Kills Envoy however the demo ends (error, success or Ctrl-C unwinding the task).
@@ -231,7 +231,7 @@ async fn post(addr: SocketAddr, path: &str) -> Result<(), String> {
 }
 
 /// Runs the network demo; returns the report text (Err when anything failed).
-pub async fn run(
+pub(crate) async fn run(
     envoy: &Path,
     work: Vec<WorkloadRequest>,
     workers: usize,

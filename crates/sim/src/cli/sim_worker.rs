@@ -1,4 +1,4 @@
-//! `kv-epp sim-worker`: one simulated vLLM worker (OpenAI HTTP API, prefix cache, latency model,
+//! `kv-epp-sim sim-worker`: one simulated vLLM worker (OpenAI HTTP API, prefix cache, latency model,
 //! KV events over ZeroMQ) from flags, optionally reading the model's block size and LoRA adapters
 //! from the same configuration file `serve` reads.
 
@@ -6,18 +6,18 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 
 use kv_epp::config::Config;
-use kv_epp::sim::api::Served;
-use kv_epp::sim::engine::EngineConfig;
-use kv_epp::sim::events::{BatchEncoder, EventLayout, HashForm};
-use kv_epp::sim::latency::LatencyModel;
-use kv_epp::sim::publisher::PublisherConfig;
-use kv_epp::sim::server::{self, SimWorkerConfig};
+use kv_epp_sim::api::Served;
+use kv_epp_sim::engine::EngineConfig;
+use kv_epp_sim::events::{BatchEncoder, EventLayout, HashForm};
+use kv_epp_sim::latency::LatencyModel;
+use kv_epp_sim::publisher::PublisherConfig;
+use kv_epp_sim::server::{self, SimWorkerConfig};
 
-use crate::cli::serve::{init_logs, shutdown_signal};
+use kv_epp::process::{init_logs, shutdown_signal};
 
-/// Flags of `kv-epp sim-worker`; the event flags mirror vLLM's `--kv-events-config` fields.
+/// Flags of `kv-epp-sim sim-worker`; the event flags mirror vLLM's `--kv-events-config` fields.
 #[derive(clap::Args, Debug)]
-pub struct SimWorkerArgs {
+pub(crate) struct SimWorkerArgs {
     /// HTTP address to bind.
     #[arg(long, default_value = "0.0.0.0")]
     pub host: IpAddr,
@@ -89,7 +89,7 @@ pub struct SimWorkerArgs {
 }
 
 /// Builds the worker's configuration from flags and the optional config file.
-pub fn effective_config(args: &SimWorkerArgs) -> Result<SimWorkerConfig, String> {
+pub(crate) fn effective_config(args: &SimWorkerArgs) -> Result<SimWorkerConfig, String> {
     let configured = match &args.config_file {
         Some(p) => {
             let c = Config::from_file(p).map_err(|e| e.to_string())?;
@@ -166,7 +166,7 @@ pub fn effective_config(args: &SimWorkerArgs) -> Result<SimWorkerConfig, String>
 
 /// The tokenizer of the served models (shared code with `serve`), when `--config-file` names
 /// tokenizer files: text and chat prompts then get the token IDs vLLM would compute.
-fn tokenize_hook(args: &SimWorkerArgs) -> Result<Option<kv_epp::sim::api::TokenizeHook>, String> {
+fn tokenize_hook(args: &SimWorkerArgs) -> Result<Option<kv_epp_sim::api::TokenizeHook>, String> {
     let Some(path) = &args.config_file else {
         return Ok(None);
     };
@@ -176,10 +176,10 @@ fn tokenize_hook(args: &SimWorkerArgs) -> Result<Option<kv_epp::sim::api::Tokeni
     }
     let catalog = std::sync::Arc::new(config.load_tokenizers().map_err(|e| e.to_string())?);
     Ok(Some(std::sync::Arc::new(
-        move |body: &[u8], endpoint: kv_epp::sim::api::Endpoint| {
+        move |body: &[u8], endpoint: kv_epp_sim::api::Endpoint| {
             let endpoint = match endpoint {
-                kv_epp::sim::api::Endpoint::Chat => kv_epp::tokenize::Endpoint::ChatCompletions,
-                kv_epp::sim::api::Endpoint::Completions => kv_epp::tokenize::Endpoint::Completions,
+                kv_epp_sim::api::Endpoint::Chat => kv_epp_tokenize::Endpoint::ChatCompletions,
+                kv_epp_sim::api::Endpoint::Completions => kv_epp_tokenize::Endpoint::Completions,
             };
             catalog
                 .tokenize(endpoint, body)
@@ -190,7 +190,7 @@ fn tokenize_hook(args: &SimWorkerArgs) -> Result<Option<kv_epp::sim::api::Tokeni
 }
 
 /// Runs the worker until SIGTERM/Ctrl-C. Prints one line with the bound addresses when ready.
-pub fn run(args: &SimWorkerArgs) -> Result<(), String> {
+pub(crate) fn run(args: &SimWorkerArgs) -> Result<(), String> {
     init_logs(&args.log_format)?;
     let config = effective_config(args)?;
     let hook = tokenize_hook(args)?;
@@ -203,7 +203,7 @@ pub fn run(args: &SimWorkerArgs) -> Result<(), String> {
         let block_size = config.engine.block_size;
         let worker = server::start(config, hook).await?;
         println!(
-            "kv-epp sim-worker: http {} events {} replay {} block_size {}",
+            "kv-epp-sim sim-worker: http {} events {} replay {} block_size {}",
             worker.http_addr,
             worker.events.events_endpoint,
             worker.events.replay_endpoint.as_deref().unwrap_or("off"),

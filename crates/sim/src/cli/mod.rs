@@ -1,0 +1,5 @@
+//! Subcommands of the `kv-epp-sim` binary. Each file is one subcommand: flags in, exit status out.
+
+pub(crate) mod demo;
+pub(crate) mod demo_net;
+pub(crate) mod sim_worker;

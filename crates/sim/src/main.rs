@@ -1,4 +1,4 @@
-//! The `kv-epp-sim` binary: simulated engines and the demo. Not shipped in kv-epp's image; the
+//! The `kv-epp-sim` binary: simulated engines, the demo and the workload generator. Not shipped in kv-epp's image; the
 //! product binary `kv-epp` contains no fake engine.
 
 mod cli;
@@ -21,12 +21,15 @@ enum Command {
     SimWorker(cli::sim_worker::SimWorkerArgs),
     /// Route a multi-tenant workload with kv-epp and with round-robin and compare.
     Demo(cli::demo::DemoArgs),
+    /// Print the built-in multi-tenant workload as JSON lines (arrival, tenant, request body).
+    Workload(cli::workload::WorkloadArgs),
 }
 
 fn main() -> ExitCode {
     let result = match Cli::parse().command {
         Command::SimWorker(args) => cli::sim_worker::run(&args),
         Command::Demo(args) => cli::demo::run(&args).map(|out| print!("{out}")),
+        Command::Workload(args) => cli::workload::run(&args).map(|out| print!("{out}")),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -3,3 +3,4 @@
 pub(crate) mod demo;
 pub(crate) mod demo_net;
 pub(crate) mod sim_worker;
+pub(crate) mod workload;

@@ -9,7 +9,7 @@ mod common;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use common::{ChildGuard, Envoy, EnvoyShape, Upstream, free_port, http, kv_epp_config};
+use common::{Envoy, EnvoyShape, Upstream, free_port, http, kv_epp_config};
 use kv_epp::server::Server;
 
 const REQUESTS: usize = 200;
@@ -42,7 +42,7 @@ fn print_row(tokens: usize, direct: &mut [f64], via: &mut [f64]) {
 }
 
 /// Envoy straight to one upstream (no ext_proc): the baseline.
-async fn direct_envoy(bin: &std::path::Path, upstream: SocketAddr) -> (u16, ChildGuard) {
+async fn direct_envoy(bin: &std::path::Path, upstream: SocketAddr) -> Envoy {
     let (port, admin) = (free_port(), free_port());
     let yaml = format!(
         r#"static_resources:
@@ -79,30 +79,7 @@ admin:
 "#,
         upstream.port()
     );
-    let path = std::env::temp_dir().join(format!("kv-epp-bench-direct-{port}.yaml"));
-    std::fs::write(&path, yaml).unwrap();
-    let child = std::process::Command::new(bin)
-        .args([
-            "-c",
-            path.to_str().unwrap(),
-            "--use-dynamic-base-id",
-            "--concurrency",
-            "1",
-            "-l",
-            "error",
-        ])
-        .spawn()
-        .unwrap();
-    let guard = ChildGuard(child);
-    for _ in 0..300 {
-        if let Ok(r) = http(("127.0.0.1", admin), "GET", "/ready", &[], b"").await
-            && r.status == 200
-        {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    (port, guard)
+    Envoy::run(bin, port, admin, &yaml).await
 }
 
 /// Sends REQUESTS requests at RATE_PER_S (open loop) to `/v1/completions` and returns latencies.
@@ -165,7 +142,8 @@ async fn main() {
     );
     let server = Server::start(&cfg).await.unwrap();
     let via = Envoy::start(&bin, EnvoyShape::FullDuplex, server.grpc_addr.port()).await;
-    let (direct_port, _direct) = direct_envoy(&bin, up.addr).await;
+    let direct = direct_envoy(&bin, up.addr).await;
+    let direct_port = direct.port;
     println!(
         "end-to-end latency added by kv-epp (Envoy 1.40, loopback, {REQUESTS} requests at {RATE_PER_S} req/s, token-ID prompts)\n"
     );

@@ -311,6 +311,21 @@ async fn sim_worker(events_port: u16) -> SimWorker {
     .await
 }
 
+/// A fake API with the pool and one Ready pod at 127.0.0.1 whose target port is a running
+/// simulated worker's HTTP port; the worker publishes events on the returned port.
+async fn pool_of_one_sim_worker() -> (SimWorker, FakeKube, u16) {
+    let events_port = common::free_port();
+    let sim = sim_worker(events_port).await;
+    let fake = FakeKube::start().await;
+    fake.put(
+        Res::PoolV1,
+        NS,
+        pool_v1(POOL, app("vllm"), &[sim.http_addr.port()]),
+    );
+    fake.put(Res::Pods, NS, pod("sim", "127.0.0.1", true, app("vllm")));
+    (sim, fake, events_port)
+}
+
 /// kv-epp's overlap in tokens for an unsalted token prompt on `worker`, from the admin `/query`.
 async fn believed(server: &Server, worker: std::net::SocketAddr, tokens: &[u32]) -> u64 {
     common::sim::believed(server.admin_addr, worker, tokens, None).await
@@ -353,15 +368,7 @@ async fn a_discovered_workers_events_feed_the_index_until_its_pod_goes() {
     // A real simulated vLLM worker publishes KV events on tcp://127.0.0.1:P; its pod has IP
     // 127.0.0.1 and the pool's target port is its HTTP port, so kv-epp derives the event
     // endpoint from the pod IP and events.zmq.port, subscribes, and credits its blocks.
-    let events_port = common::free_port();
-    let sim = sim_worker(events_port).await;
-    let fake = FakeKube::start().await;
-    fake.put(
-        Res::PoolV1,
-        NS,
-        pool_v1(POOL, app("vllm"), &[sim.http_addr.port()]),
-    );
-    fake.put(Res::Pods, NS, pod("sim", "127.0.0.1", true, app("vllm")));
+    let (sim, fake, events_port) = pool_of_one_sim_worker().await;
     let rest = format!("events: {{engine: vllm, zmq: {{port: {events_port}, replay_port: 0}}}}\n");
     let server = Server::start(&config(&fake, "sim", "", &rest))
         .await
@@ -756,15 +763,7 @@ async fn discovery_works_over_https_with_the_clusters_ca() {
 /// the first one's index and agrees with it; its readiness waits for that.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_finds_its_peer_through_endpoint_slices_and_bootstraps() {
-    let events_port = common::free_port();
-    let sim = sim_worker(events_port).await;
-    let fake = FakeKube::start().await;
-    fake.put(
-        Res::PoolV1,
-        NS,
-        pool_v1(POOL, app("vllm"), &[sim.http_addr.port()]),
-    );
-    fake.put(Res::Pods, NS, pod("sim", "127.0.0.1", true, app("vllm")));
+    let (sim, fake, events_port) = pool_of_one_sim_worker().await;
     let peer_port = common::free_port();
     let rest = format!(
         "events: {{engine: vllm, zmq: {{port: {events_port}, replay_port: 0}}}}\n\

@@ -28,6 +28,16 @@ struct FakeEngine {
     bytes_hashes: bool,
 }
 
+/// A msgpack batch `[ts, events, (dp_rank)]`, with the legacy two-element form when `rank` is
+/// absent.
+fn encode_batch(events: Vec<Value>, rank: Option<Value>) -> Vec<u8> {
+    let mut batch = vec![Value::F64(0.0), Value::Array(events)];
+    batch.extend(rank);
+    let mut p = Vec::new();
+    rmpv::encode::write_value(&mut p, &Value::Array(batch)).unwrap();
+    p
+}
+
 fn s(x: &str) -> Value {
     Value::from(x)
 }
@@ -156,10 +166,8 @@ impl FakeEngine {
 
     /// Publishes a batch (or only records it for replay when `drop`).
     async fn publish(&mut self, events: Vec<Value>, drop: bool) {
-        let batch = Value::Array(vec![Value::F64(1.0), Value::Array(events), Value::Nil]);
-        let mut payload = Vec::new();
-        rmpv::encode::write_value(&mut payload, &batch).unwrap();
-        self.publish_raw(payload, drop).await;
+        self.publish_raw(encode_batch(events, Some(Value::Nil)), drop)
+            .await;
     }
 
     async fn publish_raw(&mut self, payload: Vec<u8>, drop: bool) {
@@ -420,16 +428,10 @@ async fn malformed_frames_leave_the_subscriber_running_and_the_index_unchanged()
         rng ^= rng << 17;
         rng
     };
-    let valid = {
-        let mut p = Vec::new();
-        let b = Value::Array(vec![
-            Value::F64(1.0),
-            Value::Array(vec![engine.stored(&[9], None, &[9, 9, 9, 9], None)]),
-            Value::Nil,
-        ]);
-        rmpv::encode::write_value(&mut p, &b).unwrap();
-        p
-    };
+    let valid = encode_batch(
+        vec![engine.stored(&[9], None, &[9, 9, 9, 9], None)],
+        Some(Value::Nil),
+    );
     for i in 0..2000 {
         let payload: Vec<u8> = match i % 8 {
             0 => valid[..(next() as usize % valid.len())].to_vec(), // truncated
@@ -443,13 +445,7 @@ async fn malformed_frames_leave_the_subscriber_running_and_the_index_unchanged()
                     Value::Array(vec![Value::from(1u64 << 33); 4]),
                     Value::from(4),
                 ]);
-                let mut p = Vec::new();
-                rmpv::encode::write_value(
-                    &mut p,
-                    &Value::Array(vec![Value::F64(0.0), Value::Array(vec![ev]), Value::Nil]),
-                )
-                .unwrap();
-                p
+                encode_batch(vec![ev], Some(Value::Nil))
             }
             3 => {
                 // A huge array header with no elements behind it.
@@ -464,13 +460,7 @@ async fn malformed_frames_leave_the_subscriber_running_and_the_index_unchanged()
                     (s("block_hashes"), Value::from("x")),
                     (s("block_size"), Value::from(u64::MAX)),
                 ]);
-                let mut p = Vec::new();
-                rmpv::encode::write_value(
-                    &mut p,
-                    &Value::Array(vec![Value::F64(0.0), Value::Array(vec![ev])]),
-                )
-                .unwrap();
-                p
+                encode_batch(vec![ev], None)
             }
             5 => {
                 // Block size other than the model's: rejected with a counted warning.
@@ -481,13 +471,7 @@ async fn malformed_frames_leave_the_subscriber_running_and_the_index_unchanged()
                     Value::Array((0..8).map(Value::from).collect()),
                     Value::from(8),
                 ]);
-                let mut p = Vec::new();
-                rmpv::encode::write_value(
-                    &mut p,
-                    &Value::Array(vec![Value::F64(0.0), Value::Array(vec![ev])]),
-                )
-                .unwrap();
-                p
+                encode_batch(vec![ev], None)
             }
             6 => {
                 // Token count that does not match the blocks.
@@ -498,13 +482,7 @@ async fn malformed_frames_leave_the_subscriber_running_and_the_index_unchanged()
                     Value::Array((0..5).map(Value::from).collect()),
                     Value::from(4),
                 ]);
-                let mut p = Vec::new();
-                rmpv::encode::write_value(
-                    &mut p,
-                    &Value::Array(vec![Value::F64(0.0), Value::Array(vec![ev])]),
-                )
-                .unwrap();
-                p
+                encode_batch(vec![ev], None)
             }
             _ => Vec::new(),
         };

@@ -6,7 +6,7 @@
 pub mod sim;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -139,9 +139,14 @@ pub fn envoy_config(shape: EnvoyShape, listen: u16, extproc: u16, admin: u16) ->
 
 impl Envoy {
     /// Starts Envoy for kv-epp at `extproc` and waits until it is ready.
-    pub async fn start(bin: &PathBuf, shape: EnvoyShape, extproc: u16) -> Envoy {
+    pub async fn start(bin: &Path, shape: EnvoyShape, extproc: u16) -> Envoy {
         let (port, admin) = (free_port(), free_port());
-        let cfg = envoy_config(shape, port, extproc, admin);
+        Envoy::run(bin, port, admin, &envoy_config(shape, port, extproc, admin)).await
+    }
+
+    /// Starts Envoy on a complete configuration whose listener is `port` and admin `admin`, and
+    /// waits until it is ready.
+    pub async fn run(bin: &Path, port: u16, admin: u16, cfg: &str) -> Envoy {
         let path =
             std::env::temp_dir().join(format!("kv-epp-envoy-{}-{port}.yaml", std::process::id()));
         std::fs::write(&path, cfg).unwrap();

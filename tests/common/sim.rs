@@ -5,12 +5,8 @@ use std::net::SocketAddr;
 
 use kv_epp_core::engine_salt;
 use kv_epp_core::salt::{CacheSalt, SaltSource};
-use kv_epp_sim::api::Served;
-use kv_epp_sim::engine::EngineConfig;
-use kv_epp_sim::events::{BatchEncoder, EventLayout, HashForm};
-use kv_epp_sim::latency::LatencyModel;
+use kv_epp_sim::events::{EventLayout, HashForm};
 use kv_epp_sim::prefix_cache::CacheRequest;
-use kv_epp_sim::publisher::PublisherConfig;
 use kv_epp_sim::server::{SimWorker, SimWorkerConfig, start};
 use serde_json::{Value, json};
 
@@ -52,45 +48,19 @@ impl Default for SimSpec {
 /// Starts a simulated worker on loopback.
 pub async fn sim_worker(s: SimSpec) -> SimWorker {
     let events_port = s.events_port.unwrap_or_else(super::free_port);
-    start(
-        SimWorkerConfig {
-            http_addr: "127.0.0.1:0".parse().unwrap(),
-            served: Served {
-                model: "m".into(),
-                lora_modules: vec![],
-            },
-            engine: EngineConfig {
-                num_blocks: s.num_blocks,
-                block_size: s.block_size,
-                max_num_seqs: s.max_num_seqs,
-                latency: LatencyModel {
-                    base_us: 0,
-                    prefill_us_per_token: 0.0,
-                    decode_us_per_token: 0,
-                },
-            },
-            publisher: PublisherConfig {
-                events_endpoint: format!("tcp://127.0.0.1:{events_port}"),
-                replay_endpoint: s
-                    .replay
-                    .then(|| format!("tcp://127.0.0.1:{}", super::free_port())),
-                topic: String::new(),
-                buffer_steps: s.buffer_steps,
-                drop_fraction: s.drop,
-                fault_seed: s.seed,
-                encoder: BatchEncoder {
-                    layout: s.layout,
-                    hash_form: s.hash_form,
-                    block_size: s.block_size,
-                    lora_modules: vec![],
-                    data_parallel_rank: None,
-                },
-            },
-        },
-        None,
-    )
-    .await
-    .unwrap()
+    let mut config = SimWorkerConfig::loopback(s.block_size, s.num_blocks);
+    config.engine.max_num_seqs = s.max_num_seqs;
+    let p = &mut config.publisher;
+    p.events_endpoint = format!("tcp://127.0.0.1:{events_port}");
+    p.replay_endpoint = s
+        .replay
+        .then(|| format!("tcp://127.0.0.1:{}", super::free_port()));
+    p.buffer_steps = s.buffer_steps;
+    p.drop_fraction = s.drop;
+    p.fault_seed = s.seed;
+    p.encoder.layout = s.layout;
+    p.encoder.hash_form = s.hash_form;
+    start(config, None).await.unwrap()
 }
 
 /// A tenant's salt as kv-epp forwards it to the engine.

@@ -28,6 +28,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::api::{ApiError, Endpoint, Served, SimRequest, TokenizeHook, parse_request};
 use crate::engine::{Engine, EngineConfig, EngineError, Running};
+use crate::latency::LatencyModel;
 use crate::prefix_cache::CacheRequest;
 use crate::publisher::{self, BoundPublisher, PublisherConfig};
 
@@ -42,6 +43,46 @@ pub struct SimWorkerConfig {
     pub engine: EngineConfig,
     /// KV event publisher.
     pub publisher: PublisherConfig,
+}
+
+impl SimWorkerConfig {
+    /// A worker of model `m` on loopback (ephemeral HTTP and event ports, no replay socket) with
+    /// no simulated latency, publishing the current event layout with integer hashes: the
+    /// starting point tests and benchmarks adjust field by field.
+    pub fn loopback(block_size: usize, num_blocks: usize) -> SimWorkerConfig {
+        SimWorkerConfig {
+            http_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            served: Served {
+                model: "m".into(),
+                lora_modules: vec![],
+            },
+            engine: EngineConfig {
+                num_blocks,
+                block_size,
+                max_num_seqs: 64,
+                latency: LatencyModel {
+                    base_us: 0,
+                    prefill_us_per_token: 0.0,
+                    decode_us_per_token: 0,
+                },
+            },
+            publisher: PublisherConfig {
+                events_endpoint: "tcp://127.0.0.1:0".into(),
+                replay_endpoint: None,
+                topic: String::new(),
+                buffer_steps: 10_000,
+                drop_fraction: 0.0,
+                fault_seed: 0,
+                encoder: crate::events::BatchEncoder {
+                    layout: crate::events::EventLayout::Map,
+                    hash_form: crate::events::HashForm::Int,
+                    block_size,
+                    lora_modules: vec![],
+                    data_parallel_rank: None,
+                },
+            },
+        }
+    }
 }
 
 /// A running simulated worker.
@@ -380,44 +421,10 @@ mod tests {
             Endpoint::Chat => Ok(vec![1, 2, 3, 4, 5]),
             _ => Err("only chat here".into()),
         });
-        let encoder = crate::events::BatchEncoder {
-            layout: crate::events::EventLayout::Map,
-            hash_form: crate::events::HashForm::Int,
-            block_size: 4,
-            lora_modules: vec![],
-            data_parallel_rank: None,
-        };
-        let worker = start(
-            SimWorkerConfig {
-                http_addr: "127.0.0.1:0".parse().unwrap(),
-                served: Served {
-                    model: "m".into(),
-                    lora_modules: vec![],
-                },
-                engine: EngineConfig {
-                    num_blocks: 8,
-                    block_size: 4,
-                    max_num_seqs: 2,
-                    latency: LatencyModel {
-                        base_us: 0,
-                        prefill_us_per_token: 0.0,
-                        decode_us_per_token: 0,
-                    },
-                },
-                publisher: PublisherConfig {
-                    events_endpoint: "tcp://127.0.0.1:0".into(),
-                    replay_endpoint: None,
-                    topic: String::new(),
-                    buffer_steps: 4,
-                    drop_fraction: 0.0,
-                    fault_seed: 0,
-                    encoder,
-                },
-            },
-            Some(hook),
-        )
-        .await
-        .unwrap();
+        let mut config = SimWorkerConfig::loopback(4, 8);
+        config.engine.max_num_seqs = 2;
+        config.publisher.buffer_steps = 4;
+        let worker = start(config, Some(hook)).await.unwrap();
         let chat = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":2}"#;
         let plain = http(worker.http_addr, "/v1/chat/completions", chat).await;
         assert!(plain.starts_with("HTTP/1.1 200"), "{plain}");

@@ -498,6 +498,18 @@ impl KvIndex {
                 self.holders.prefetch(seq.0, &guard);
             }
             let mut results = Vec::new();
+            // A worker whose run of leading blocks ended: report it and reset its slot.
+            let finish = |slot: u32, state: &mut [SlotState], results: &mut Vec<Overlap>| {
+                let st = &mut state[slot as usize];
+                if let Some(Some(worker)) = registry.by_slot.get(slot as usize) {
+                    results.push(Overlap {
+                        worker: *worker,
+                        device_blocks: st.device,
+                        total_blocks: st.total,
+                    });
+                }
+                st.seen = 0;
+            };
             for (pos, seq) in seqs.iter().enumerate() {
                 if let Some(ahead) = seqs.get(pos + PREFETCH_DISTANCE) {
                     self.holders.prefetch(ahead.0, &guard);
@@ -532,18 +544,10 @@ impl KvIndex {
                 }
                 // Workers not seen at this position stop here.
                 active.retain(|&slot| {
-                    let st = &mut state[slot as usize];
-                    if st.seen == mark {
+                    if state[slot as usize].seen == mark {
                         return true;
                     }
-                    if let Some(Some(worker)) = registry.by_slot.get(slot as usize) {
-                        results.push(Overlap {
-                            worker: *worker,
-                            device_blocks: st.device,
-                            total_blocks: st.total,
-                        });
-                    }
-                    st.seen = 0;
+                    finish(slot, state, &mut results);
                     false
                 });
                 if active.is_empty() {
@@ -551,15 +555,7 @@ impl KvIndex {
                 }
             }
             for &slot in active.iter() {
-                let st = &mut state[slot as usize];
-                if let Some(Some(worker)) = registry.by_slot.get(slot as usize) {
-                    results.push(Overlap {
-                        worker: *worker,
-                        device_blocks: st.device,
-                        total_blocks: st.total,
-                    });
-                }
-                st.seen = 0;
+                finish(slot, state, &mut results);
             }
             results
         })

@@ -18,11 +18,7 @@ use kv_epp::httpc;
 use kv_epp::server::Server;
 use kv_epp_core::engine_salt;
 use kv_epp_core::salt::{CacheSalt, SaltSource};
-use kv_epp_sim::api::Served;
-use kv_epp_sim::engine::EngineConfig;
-use kv_epp_sim::events::{BatchEncoder, EventLayout, HashForm};
 use kv_epp_sim::latency::LatencyModel;
-use kv_epp_sim::publisher::PublisherConfig;
 use kv_epp_sim::server::{SimWorker, SimWorkerConfig, start};
 use kv_epp_sim::workload::WorkloadRequest;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -183,39 +179,16 @@ async fn start_workers(
 ) -> Result<Vec<SimWorker>, String> {
     let mut out = Vec::new();
     for _ in 0..n {
-        let cfg = SimWorkerConfig {
-            http_addr: "127.0.0.1:0".parse().map_err(|_| "address")?,
-            served: Served {
-                model: MODEL.into(),
-                lora_modules: Vec::new(),
-            },
-            engine: EngineConfig {
-                num_blocks,
-                block_size,
-                max_num_seqs: 64,
-                // ~10k prompt tokens/s of prefill per worker, as a mid-size model on one GPU.
-                latency: LatencyModel {
-                    base_us: 2_000,
-                    prefill_us_per_token: 100.0,
-                    decode_us_per_token: 10_000,
-                },
-            },
-            publisher: PublisherConfig {
-                events_endpoint: format!("tcp://127.0.0.1:{}", free_port()?),
-                replay_endpoint: Some(format!("tcp://127.0.0.1:{}", free_port()?)),
-                topic: String::new(),
-                buffer_steps: 10_000,
-                drop_fraction: 0.0,
-                fault_seed: 0,
-                encoder: BatchEncoder {
-                    layout: EventLayout::Map,
-                    hash_form: HashForm::Int,
-                    block_size,
-                    lora_modules: Vec::new(),
-                    data_parallel_rank: None,
-                },
-            },
+        let mut cfg = SimWorkerConfig::loopback(block_size, num_blocks);
+        cfg.served.model = MODEL.into();
+        // ~10k prompt tokens/s of prefill per worker, as a mid-size model on one GPU.
+        cfg.engine.latency = LatencyModel {
+            base_us: 2_000,
+            prefill_us_per_token: 100.0,
+            decode_us_per_token: 10_000,
         };
+        cfg.publisher.events_endpoint = format!("tcp://127.0.0.1:{}", free_port()?);
+        cfg.publisher.replay_endpoint = Some(format!("tcp://127.0.0.1:{}", free_port()?));
         out.push(start(cfg, None).await?);
     }
     Ok(out)

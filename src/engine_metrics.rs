@@ -10,6 +10,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use hyper::StatusCode;
+
 use crate::httpc;
 use crate::router::WorkerRuntime;
 use crate::scoring::EngineLoad;
@@ -62,17 +64,12 @@ pub async fn scrape(worker: Arc<WorkerRuntime>, interval: Duration, stale_after:
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let got = httpc::request(
-            worker.id.endpoint,
-            "GET",
-            "/metrics",
-            b"",
-            interval.max(Duration::from_millis(200)),
-            MAX_PAGE,
-        )
-        .await;
-        let load = match got {
-            Ok(r) if r.status == 200 => parse(&String::from_utf8_lossy(&r.body)),
+        let limits = httpc::Limits {
+            deadline: interval.max(Duration::from_millis(200)),
+            max_body: MAX_PAGE,
+        };
+        let load = match httpc::get(worker.id.endpoint, "/metrics", limits).await {
+            Ok(r) if r.status() == StatusCode::OK => parse(&String::from_utf8_lossy(r.body())),
             _ => None,
         };
         match load {

@@ -13,8 +13,6 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hyper::StatusCode;
-
 use crate::httpc;
 use crate::router::WorkerRuntime;
 use crate::scoring::EngineLoad;
@@ -127,7 +125,9 @@ pub async fn scrape(worker: Arc<WorkerRuntime>, interval: Duration, stale_after:
             max_body: MAX_PAGE,
         };
         let load = match httpc::get(worker.id.endpoint, "/metrics", limits).await {
-            Ok(r) if r.status() == StatusCode::OK => parse(&String::from_utf8_lossy(r.body())),
+            Ok(r) if r.status() == httpc::StatusCode::OK => {
+                parse(&String::from_utf8_lossy(r.body()))
+            }
             _ => None,
         };
         match load {

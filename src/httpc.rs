@@ -12,10 +12,13 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use hyper::Method;
 use hyper::header::{CONTENT_LENGTH, CONTENT_TYPE, HOST, HeaderValue};
-use hyper::{Method, Request, Response};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
+
+// The types this API takes and returns, so callers need no HTTP crate of their own.
+pub use hyper::{Request, Response, StatusCode, header};
 
 /// What one request may cost: wall-clock time from connect to the last body byte, and response
 /// body bytes.

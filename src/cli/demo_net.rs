@@ -12,8 +12,6 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use hyper::http;
 use kv_epp::config::Config;
 use kv_epp::engine_salt;
 use kv_epp::extproc::usage::UsageScanner;
@@ -76,14 +74,14 @@ async fn stream_request(
     body: &[u8],
 ) -> Result<Outcome, String> {
     let started = Instant::now();
-    let mut req = http::Request::post("/v1/completions")
-        .header(http::header::HOST, "demo")
-        .header(http::header::CONTENT_TYPE, "application/json");
+    let mut req = httpc::Request::post("/v1/completions")
+        .header(httpc::header::HOST, "demo")
+        .header(httpc::header::CONTENT_TYPE, "application/json");
     for (k, v) in headers {
         req = req.header(k.as_str(), v.as_str());
     }
     let req = req
-        .body(Bytes::copy_from_slice(body))
+        .body(bytes::Bytes::copy_from_slice(body))
         .map_err(|e| e.to_string())?;
     // The first token is the first SSE `data:` field; the tail of the previous piece is kept so a
     // field split across two pieces is still seen when it completes.
@@ -100,7 +98,7 @@ async fn stream_request(
     })
     .await
     .map_err(|e| format!("{addr}: {e}"))?;
-    if r.status() != http::StatusCode::OK {
+    if r.status() != httpc::StatusCode::OK {
         let body = r.body();
         return Err(format!(
             "status {}: {}",
@@ -303,7 +301,7 @@ pub async fn run(
             max_body: 4096,
         };
         let ready = httpc::get(admin_addr, "/ready", limits).await;
-        if matches!(ready, Ok(r) if r.status() == http::StatusCode::OK) {
+        if matches!(ready, Ok(r) if r.status() == httpc::StatusCode::OK) {
             break;
         }
         if Instant::now() > deadline {

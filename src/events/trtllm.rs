@@ -16,7 +16,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use hyper::StatusCode;
 use serde_json::Value;
 
 use super::apply::ApplyCounters;
@@ -202,7 +201,7 @@ pub async fn poll(
         };
         let r = httpc::post_json(worker.endpoint, "/kv_cache_events", &b"{}"[..], limits).await;
         let events = match r {
-            Ok(r) if r.status() == StatusCode::OK => {
+            Ok(r) if r.status() == httpc::StatusCode::OK => {
                 match serde_json::from_slice::<Value>(r.body()) {
                     Ok(Value::Array(events)) => events,
                     _ => {

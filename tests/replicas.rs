@@ -115,8 +115,12 @@ fn ports() -> Ports {
     }
 }
 
+/// A fresh directory for one replica's files: tests run in parallel and reuse replica names,
+/// so no two replicas may share a config or token file (a reader could see it half-written).
 fn dir() -> PathBuf {
-    let d = std::env::temp_dir().join(format!("kv-epp-replicas-{}", std::process::id()));
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let d = std::env::temp_dir().join(format!("kv-epp-replicas-{}-{n}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
     d
 }

@@ -195,23 +195,21 @@ pub async fn poll(
         if status.stop.load(Ordering::Acquire) {
             return;
         }
-        let r = httpc::request(
-            worker.endpoint,
-            "POST",
-            "/kv_cache_events",
-            b"{}",
-            Duration::from_secs(5),
-            MAX_DRAIN,
-        )
-        .await;
+        let limits = httpc::Limits {
+            deadline: Duration::from_secs(5),
+            max_body: MAX_DRAIN,
+        };
+        let r = httpc::post_json(worker.endpoint, "/kv_cache_events", &b"{}"[..], limits).await;
         let events = match r {
-            Ok(r) if r.status == 200 => match serde_json::from_slice::<Value>(&r.body) {
-                Ok(Value::Array(events)) => events,
-                _ => {
-                    status.failures.fetch_add(1, Ordering::Relaxed);
-                    continue;
+            Ok(r) if r.status() == httpc::StatusCode::OK => {
+                match serde_json::from_slice::<Value>(r.body()) {
+                    Ok(Value::Array(events)) => events,
+                    _ => {
+                        status.failures.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
                 }
-            },
+            }
             _ => {
                 status.connected.store(false, Ordering::Relaxed);
                 status.failures.fetch_add(1, Ordering::Relaxed);

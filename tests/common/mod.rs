@@ -1,5 +1,5 @@
 //! Shared harness for black-box tests: real Envoy from the project's venv, fake OpenAI-style
-//! upstream workers, a raw HTTP/1.1 client that can abort mid-body or mid-response, and
+//! upstream workers, kv-epp's HTTP client plus raw writers that abort mid-body or mid-response, and
 //! in-process kv-epp servers on ephemeral ports.
 #![allow(dead_code, unreachable_pub)]
 
@@ -208,6 +208,8 @@ impl HttpResponse {
     }
 }
 
+/// Raw request bytes, for the two helpers below that must break the protocol on purpose (stop
+/// mid-body, hang up mid-response), which no well-behaved client (ours included) can be made to do.
 fn request_bytes(method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Vec<u8> {
     let mut req = format!("{method} {path} HTTP/1.1\r\nhost: test\r\nconnection: close\r\n");
     for (k, v) in headers {
@@ -222,7 +224,13 @@ fn request_bytes(method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]
     out
 }
 
-/// One HTTP/1.1 request with `connection: close`.
+/// What one test request may cost: no test waits this long on a healthy server.
+const TEST_LIMITS: kv_epp::httpc::Limits = kv_epp::httpc::Limits {
+    deadline: Duration::from_secs(60),
+    max_body: 64 << 20,
+};
+
+/// One HTTP/1.1 request through kv-epp's own client (`kv_epp::httpc`).
 pub async fn http(
     addr: impl tokio::net::ToSocketAddrs,
     method: &str,
@@ -230,12 +238,33 @@ pub async fn http(
     headers: &[(&str, &str)],
     body: &[u8],
 ) -> std::io::Result<HttpResponse> {
-    let mut s = TcpStream::connect(addr).await?;
-    s.write_all(&request_bytes(method, path, headers, body))
-        .await?;
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).await?;
-    parse_response(&raw)
+    let err = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
+    let addr = tokio::net::lookup_host(addr)
+        .await?
+        .next()
+        .ok_or_else(|| err("address resolves to nothing".into()))?;
+    let mut req = Request::builder().method(method).uri(path);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req
+        .body(Bytes::copy_from_slice(body))
+        .map_err(|e| err(e.to_string()))?;
+    let r = kv_epp::httpc::send(addr, req, TEST_LIMITS)
+        .await
+        .map_err(|e| err(e.to_string()))?;
+    Ok(HttpResponse {
+        status: r.status().as_u16(),
+        headers: r
+            .headers()
+            .iter()
+            .map(|(k, v)| {
+                let v = String::from_utf8_lossy(v.as_bytes()).into_owned();
+                (k.as_str().to_owned(), v)
+            })
+            .collect(),
+        body: r.into_body().to_vec(),
+    })
 }
 
 /// Sends the headers and `sent` bytes of a `total`-byte body, then drops the connection.
@@ -264,28 +293,6 @@ pub async fn abort_mid_response(addr: SocketAddr, path: &str, body: &[u8]) {
         .await;
     let mut buf = [0u8; 64];
     let _ = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await;
-}
-
-fn parse_response(raw: &[u8]) -> std::io::Result<HttpResponse> {
-    let err = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
-    // Status and (de-chunked) body as kv-epp's own client reads them; headers kept for asserts.
-    let parsed = kv_epp::httpc::parse(raw).map_err(|e| err(e.to_string()))?;
-    let split = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .unwrap_or(raw.len());
-    let head = String::from_utf8_lossy(&raw[..split]);
-    let headers: Vec<(String, String)> = head
-        .split("\r\n")
-        .skip(1)
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
-        .collect();
-    Ok(HttpResponse {
-        status: parsed.status,
-        headers,
-        body: parsed.body,
-    })
 }
 
 /// A request as an upstream worker received it.

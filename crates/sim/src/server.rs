@@ -400,18 +400,17 @@ mod tests {
     use crate::engine::EngineStats;
     use crate::latency::LatencyModel;
 
-    async fn http(addr: SocketAddr, path: &str, body: &str) -> String {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let req = format!(
-            "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
-             content-length: {}\r\nconnection: close\r\n\r\n{body}",
-            body.len()
-        );
-        s.write_all(req.as_bytes()).await.unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).await.unwrap();
-        out
+    /// POSTs `body` and returns the status and the body text.
+    async fn http(addr: SocketAddr, path: &str, body: &str) -> (u16, String) {
+        let limits = kv_epp::httpc::Limits {
+            deadline: std::time::Duration::from_secs(30),
+            max_body: 1 << 20,
+        };
+        let r = kv_epp::httpc::post_json(addr, path, body.to_owned(), limits)
+            .await
+            .unwrap();
+        let text = String::from_utf8_lossy(r.body()).into_owned();
+        (r.status().as_u16(), text)
     }
 
     /// The tokenizer hook serves chat (and text) prompts end to end, streaming included.
@@ -426,8 +425,8 @@ mod tests {
         config.publisher.buffer_steps = 4;
         let worker = start(config, Some(hook)).await.unwrap();
         let chat = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":2}"#;
-        let plain = http(worker.http_addr, "/v1/chat/completions", chat).await;
-        assert!(plain.starts_with("HTTP/1.1 200"), "{plain}");
+        let (status, plain) = http(worker.http_addr, "/v1/chat/completions", chat).await;
+        assert_eq!(status, 200, "{plain}");
         assert!(plain.contains(r#""object":"chat.completion""#), "{plain}");
         assert!(plain.contains(r#""content":"sim sim""#), "{plain}");
         assert!(plain.contains(r#""prompt_tokens":5"#), "{plain}");
@@ -435,7 +434,8 @@ mod tests {
             "}],",
             r#"}],"stream":true,"stream_options":{"include_usage":true},"#,
         );
-        let sse = http(worker.http_addr, "/v1/chat/completions", &streamed).await;
+        let (status, sse) = http(worker.http_addr, "/v1/chat/completions", &streamed).await;
+        assert_eq!(status, 200, "{sse}");
         assert!(
             sse.contains(r#""delta":{"content":"","role":"assistant"}"#),
             "{sse}"
@@ -443,16 +443,13 @@ mod tests {
         assert!(sse.contains(r#""object":"chat.completion.chunk""#), "{sse}");
         assert!(sse.contains(r#""cached_tokens":4"#), "{sse}");
         assert!(sse.contains("data: [DONE]\n\n"), "{sse}");
-        let text = http(
+        let (status, text) = http(
             worker.http_addr,
             "/v1/completions",
             r#"{"model":"m","prompt":"hi"}"#,
         )
         .await;
-        assert!(
-            text.starts_with("HTTP/1.1 400") && text.contains("only chat here"),
-            "{text}"
-        );
+        assert!(status == 400 && text.contains("only chat here"), "{text}");
     }
 
     #[test]

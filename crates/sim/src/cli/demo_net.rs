@@ -21,11 +21,15 @@ use kv_epp_core::salt::{CacheSalt, SaltSource};
 use kv_epp_sim::latency::LatencyModel;
 use kv_epp_sim::server::{SimWorker, SimWorkerConfig, start};
 use kv_epp_sim::workload::WorkloadRequest;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 
 const ENVOY_YAML: &str = include_str!("../../../../deploy/envoy/envoy.yaml");
 const MODEL: &str = "demo-model";
+/// A streamed completion: far more than the workload's longest answer, and a deadline only a
+/// stuck path reaches.
+const STREAM_LIMITS: httpc::Limits = httpc::Limits {
+    deadline: Duration::from_secs(120),
+    max_body: 16 << 20,
+};
 
 /// Kills Envoy however the demo ends (error, success or Ctrl-C unwinding the task).
 struct EnvoyProcess(Child);
@@ -66,42 +70,40 @@ async fn stream_request(
     body: &[u8],
 ) -> Result<Outcome, String> {
     let started = Instant::now();
-    let mut s = TcpStream::connect(addr)
-        .await
-        .map_err(|e| format!("connect {addr}: {e}"))?;
-    let mut req = format!(
-        "POST /v1/completions HTTP/1.1\r\nhost: demo\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n",
-        body.len()
-    );
+    let mut req = httpc::Request::post("/v1/completions")
+        .header(httpc::header::HOST, "demo")
+        .header(httpc::header::CONTENT_TYPE, "application/json");
     for (k, v) in headers {
-        req.push_str(&format!("{k}: {v}\r\n"));
+        req = req.header(k.as_str(), v.as_str());
     }
-    req.push_str("\r\n");
-    s.write_all(req.as_bytes())
-        .await
+    let req = req
+        .body(bytes::Bytes::copy_from_slice(body))
         .map_err(|e| e.to_string())?;
-    s.write_all(body).await.map_err(|e| e.to_string())?;
-    let mut raw = Vec::new();
-    let mut buf = [0u8; 8192];
+    // The first token is the first SSE `data:` field; the tail of the previous piece is kept so a
+    // field split across two pieces is still seen when it completes.
     let mut ttft = None;
-    loop {
-        let n = s.read(&mut buf).await.map_err(|e| e.to_string())?;
-        if n == 0 {
-            break;
+    let mut tail = Vec::new();
+    let r = httpc::send_observed(addr, req, STREAM_LIMITS, |piece| {
+        if ttft.is_none() {
+            tail.extend_from_slice(piece);
+            if tail.windows(5).any(|w| w == b"data:") {
+                ttft = Some(started.elapsed());
+            }
+            tail.drain(..tail.len().saturating_sub(4));
         }
-        raw.extend_from_slice(&buf[..n]);
-        if ttft.is_none() && raw.windows(5).any(|w| w == b"data:") {
-            ttft = Some(started.elapsed());
-        }
+    })
+    .await
+    .map_err(|e| format!("{addr}: {e}"))?;
+    if r.status() != httpc::StatusCode::OK {
+        let body = r.body();
+        return Err(format!(
+            "status {}: {}",
+            r.status(),
+            String::from_utf8_lossy(&body[..body.len().min(300)])
+        ));
     }
-    let status_ok = raw.starts_with(b"HTTP/1.1 200");
-    if !status_ok {
-        return Err(String::from_utf8_lossy(&raw[..raw.len().min(300)]).into_owned());
-    }
-    // Chunk framing lines never contain `data:`, so scanning the raw body finds every event.
     let mut scanner = UsageScanner::new("text/event-stream");
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap_or(0);
-    scanner.feed(&raw[split..]);
+    scanner.feed(r.body());
     let usage = scanner.finish().ok_or("response carried no usage")?;
     Ok(Outcome {
         ttft_ms: ttft.ok_or("no token streamed")?.as_secs_f64() * 1000.0,
@@ -195,12 +197,16 @@ async fn start_workers(
 }
 
 async fn post(addr: SocketAddr, path: &str) -> Result<(), String> {
-    let r = httpc::request(addr, "POST", path, b"{}", Duration::from_secs(5), 1 << 20)
+    let limits = httpc::Limits {
+        deadline: Duration::from_secs(5),
+        max_body: 1 << 20,
+    };
+    let r = httpc::post_json(addr, path, &b"{}"[..], limits)
         .await
         .map_err(|e| format!("{addr}{path}: {e}"))?;
-    (r.status < 300)
+    (r.status().as_u16() < 300)
         .then_some(())
-        .ok_or_else(|| format!("{addr}{path}: status {}", r.status))
+        .ok_or_else(|| format!("{addr}{path}: status {}", r.status()))
 }
 
 /// Runs the network demo; returns the report text (Err when anything failed).
@@ -263,16 +269,12 @@ pub(crate) async fn run(
     let admin_addr: SocketAddr = ([127, 0, 0, 1], admin).into();
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let ready = httpc::request(
-            admin_addr,
-            "GET",
-            "/ready",
-            b"",
-            Duration::from_secs(1),
-            4096,
-        )
-        .await;
-        if matches!(ready, Ok(r) if r.status == 200) {
+        let limits = httpc::Limits {
+            deadline: Duration::from_secs(1),
+            max_body: 4096,
+        };
+        let ready = httpc::get(admin_addr, "/ready", limits).await;
+        if matches!(ready, Ok(r) if r.status() == httpc::StatusCode::OK) {
             break;
         }
         if Instant::now() > deadline {

@@ -54,6 +54,19 @@ workers: [{{endpoint: '127.0.0.1:18001', model: m}}, {{endpoint: '127.0.0.1:1800
     cfg
 }
 
+/// Writes the config into a fresh directory and starts a server on it, loading the config the
+/// way `kv-epp serve` does (file, validation, secret files).
+async fn start(name: &str) -> (PathBuf, PathBuf, Server) {
+    let dir = std::env::temp_dir().join(format!("kv-epp-one-path-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = write_config(&dir);
+    let mut config = Config::from_file(&cfg).unwrap();
+    config.validate().unwrap();
+    config.read_secret_files().unwrap();
+    let server = Server::start(&config).await.unwrap();
+    (dir, cfg, server)
+}
+
 /// What one path reported: (fingerprint, token IDs, local hashes, sequence hashes, forwarded body).
 type Seen = (String, Vec<u32>, Vec<u64>, Vec<u64>, Value);
 
@@ -171,14 +184,7 @@ fn via_ext_proc(server: &Server) -> (StreamHandler, Seen) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ext_proc_tokenize_and_explain_agree() {
-    let dir = std::env::temp_dir().join(format!("kv-epp-one-path-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let cfg = write_config(&dir);
-    // The server's configuration, through the same loading steps as `kv-epp serve`.
-    let mut config = Config::from_file(&cfg).unwrap();
-    config.validate().unwrap();
-    config.read_secret_files().unwrap();
-    let server = Server::start(&config).await.unwrap();
+    let (dir, cfg, server) = start("agree").await;
 
     let (handler, ext_proc) = via_ext_proc(&server);
     assert_eq!(
@@ -247,13 +253,7 @@ async fn ext_proc_tokenize_and_explain_agree() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explain_refuses_as_ext_proc_would() {
-    let dir = std::env::temp_dir().join(format!("kv-epp-one-path-r-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let cfg = write_config(&dir);
-    let mut config = Config::from_file(&cfg).unwrap();
-    config.validate().unwrap();
-    config.read_secret_files().unwrap();
-    let server = Server::start(&config).await.unwrap();
+    let (dir, _, server) = start("refuse").await;
     let cases = [
         (
             r#"{"path":"/v1/chat/completions","headers":{"x-tenant-id":["a","b"]},"body":{"model":"m","prompt":[1]}}"#,

@@ -125,7 +125,12 @@ impl Replica {
     fn spawn(name: &str, p: &Ports, body: &str, peers: &[u16]) -> Replica {
         let d = dir();
         let token = d.join("token");
-        std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
+        // Tests in this file run in parallel and share the file: a plain write truncates it
+        // while another replica may be reading it ("the peer token file is empty"). Renaming a
+        // complete file into place is atomic.
+        let staged = d.join(format!("token.{name}.tmp"));
+        std::fs::write(&staged, format!("{TOKEN}\n")).unwrap();
+        std::fs::rename(&staged, &token).unwrap();
         let peer_list: Vec<String> = peers.iter().map(|p| format!("'127.0.0.1:{p}'")).collect();
         let yaml = format!(
             "server: {{bind_address: 127.0.0.1, grpc_port: {}, grpc_health_port: {}, metrics_port: {}, admin_port: {}}}\n\

@@ -6,6 +6,11 @@
 //! - `POST /query_by_hash` `{"model", "block_hashes": [i64...], "lora_name"?}`: local block hashes
 //!   the caller already computed with the intended salt (i64 on the wire, read as u64). Any
 //!   non-null `cache_salt` field, even `""`, is a 400: the hashes already carry the salt.
+//! - `POST /explain` `{"path", "headers"?: {"x-tenant-id": "..." | [...]}, "body"?, "subset"?}`:
+//!   the decision ext_proc would take for that request now (the same pipeline,
+//!   [`crate::decide::explain`]), without booking: model, salt fingerprint, tokens and hashes,
+//!   and per worker its overlap, load inputs, score terms and why it was not picked. Refusals get
+//!   the status, reason header and body ext_proc would send.
 //! - `GET /workers`: per worker, readiness, in-flight requests, event feed state and blocks held.
 //! - `GET /debug/digest`: per model, an order-independent digest of the index (no salts), so
 //!   replicas can be checked for convergence from outside.
@@ -23,11 +28,12 @@ use axum::{Json, Router as HttpRouter};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+use crate::decide::{self, Decision, Reject, RequestParts, Standing};
 use crate::events::Feeds;
 use crate::hashing::{LocalBlockHash, SequenceHash, sequence_hashes};
 use crate::index::Overlap;
 use crate::router::Router;
-use crate::salt::{SaltField, SaltInputs, TENANT_HEADER, resolve, seed_for};
+use crate::salt::{SaltField, SaltInputs, TENANT_HEADER};
 
 /// Largest request body accepted.
 pub const MAX_BODY: usize = 8 << 20;
@@ -41,6 +47,8 @@ pub struct AdminState {
     pub feeds: Arc<Feeds>,
     /// Replication, when configured.
     pub replica: Option<Arc<crate::replica::ReplicaState>>,
+    /// ext_proc's `routing.max_body_bytes`: `/explain` refuses larger bodies as ext_proc would.
+    pub max_body_bytes: usize,
 }
 
 /// The admin HTTP routes.
@@ -48,6 +56,7 @@ pub fn routes(state: AdminState) -> HttpRouter {
     HttpRouter::new()
         .route("/query", post(query))
         .route("/query_by_hash", post(query_by_hash))
+        .route("/explain", post(explain))
         .route("/workers", get(workers))
         .route("/debug/digest", get(digest))
         .route("/debug/replica", get(replica))
@@ -70,6 +79,18 @@ impl IntoResponse for ApiError {
 
 fn error(status: StatusCode, message: impl Into<String>) -> ApiError {
     ApiError(status, message.into())
+}
+
+/// A refusal of the request pipeline, answered exactly as the ext_proc edge answers it: same
+/// status, same `x-llm-d-request-dropped-reason`, same JSON body.
+fn refusal(reject: &Reject) -> Response {
+    let status = StatusCode::from_u16(reject.status()).unwrap_or(StatusCode::BAD_REQUEST);
+    (
+        status,
+        [("x-llm-d-request-dropped-reason", reject.reason())],
+        Json(reject.body()),
+    )
+        .into_response()
 }
 
 fn parse<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiError> {
@@ -179,17 +200,155 @@ async fn query(
         nvext: SaltField::Absent,
         body: body_salt,
     };
-    let salt = match resolve(&inputs, s.router.salt_policy()) {
+    let salt = match decide::resolve_salt(&s.router, &inputs) {
         Ok(salt) => salt,
-        Err(e) => return error(StatusCode::BAD_REQUEST, e.to_string()).into_response(),
+        Err(e) => return refusal(&e),
     };
     let Some(index) = s.router.index(base) else {
         return error(StatusCode::NOT_FOUND, "model has no index").into_response();
     };
-    let seed = seed_for(salt.as_ref().map(|r| &r.salt), lora);
-    let seqs = crate::hashing::prompt_hashes(&req.token_ids, index.block_size(), seed).1;
+    let seqs = decide::hash_prompt(&s.router, base, lora, salt.as_ref(), &req.token_ids)
+        .map(|h| h.sequence)
+        .unwrap_or_default();
     let overlaps = index.query(&seqs);
     answer(&s.router, base, seqs.len(), overlaps)
+}
+
+/// A header value in `/explain`: one string or several.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum HeaderValues {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ExplainRequest {
+    path: String,
+    #[serde(default)]
+    headers: std::collections::BTreeMap<String, HeaderValues>,
+    /// Kept as sent: key order reaches the chat template (`tojson`), so the body must not be
+    /// re-serialized.
+    #[serde(default)]
+    body: Option<Box<serde_json::value::RawValue>>,
+    /// The gateway's subset hint, `ip:port` each.
+    #[serde(default)]
+    subset: Option<Vec<std::net::SocketAddr>>,
+}
+
+/// `POST /explain`: the decision ext_proc would take for this request now, without booking.
+async fn explain(State(s): State<AdminState>, body: axum::body::Bytes) -> Response {
+    let req: ExplainRequest = match parse(&body) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let tenant: Vec<&[u8]> = req
+        .headers
+        .iter()
+        .filter(|(name, _)| name.eq_ignore_ascii_case(TENANT_HEADER))
+        .flat_map(|(_, v)| match v {
+            HeaderValues::One(one) => std::slice::from_ref(one),
+            HeaderValues::Many(many) => many.as_slice(),
+        })
+        .map(|v| v.as_bytes())
+        .collect();
+    let body = req.body.as_ref().map(|b| b.get().as_bytes());
+    if body.is_some_and(|b| b.len() > s.max_body_bytes) {
+        return refusal(&Reject::BodyTooLarge {
+            limit: s.max_body_bytes,
+        });
+    }
+    let parts = RequestParts {
+        path: &req.path,
+        tenant: &tenant,
+        body,
+        subset: req.subset.as_deref(),
+        conformance: None,
+    };
+    match decide::explain(&s.router, &parts) {
+        Ok(d) => Json(explanation(&d)).into_response(),
+        Err(reject) => refusal(&reject),
+    }
+}
+
+/// The JSON of an explained decision. Token counts are blocks × block size; the salt appears
+/// as its source and fingerprint only.
+fn explanation(d: &Decision) -> Value {
+    let r = &d.request;
+    let bs = r.hashes.block_size as u64;
+    let candidates: Vec<Value> = d
+        .candidates
+        .iter()
+        .map(|c| {
+            let (status, scored, why) = match &c.standing {
+                Standing::Picked(s) => ("picked", Some(s), None),
+                Standing::Lost(s, loss) => ("lost", Some(s), Some(loss.to_string())),
+                Standing::Saturated(s) => (
+                    "saturated",
+                    Some(s),
+                    Some(format!(
+                        "at its in-flight limit ({} of {})",
+                        c.inflight,
+                        c.max_inflight.unwrap_or_default()
+                    )),
+                ),
+                Standing::Excluded(ex) => ("excluded", None, Some(ex.to_string())),
+            };
+            json!({
+                "worker": c.worker.endpoint.to_string(),
+                "dp_rank": c.worker.dp_rank,
+                "model": c.model,
+                "overlap": {
+                    "device_tokens": u64::from(c.device_blocks) * bs,
+                    "total_tokens": u64::from(c.total_blocks) * bs,
+                    "device_blocks": c.device_blocks,
+                    "total_blocks": c.total_blocks,
+                },
+                "load": {
+                    "inflight": c.inflight,
+                    "max_inflight": c.max_inflight,
+                    "engine": c.engine.map(|e| json!({
+                        "running": e.running,
+                        "waiting": e.waiting,
+                        "kv_usage": e.kv_usage,
+                    })),
+                },
+                "score": scored.map(|s| json!({
+                    "prefix": s.terms.prefix,
+                    "queue": s.terms.queue,
+                    "kv_usage": s.terms.kv_usage,
+                    "total": s.cost,
+                    "queue_length": s.terms.queue_length,
+                    "cached_blocks": s.cached_blocks,
+                })),
+                "status": status,
+                "why": why,
+            })
+        })
+        .collect();
+    json!({
+        "path": r.path,
+        "model": r.model.named,
+        "base_model": r.model.base,
+        "lora_name": r.model.lora,
+        "salt": r.salt.as_ref().map(|s| json!({
+            "source": s.source().as_str(),
+            "fingerprint": s.fingerprint().to_string(),
+        })),
+        "block_size": r.hashes.block_size,
+        "prompt_tokens": r.tokens.as_ref().map(Vec::len),
+        "prompt_blocks": r.prompt_blocks(),
+        "token_ids": r.tokens,
+        "local": r.hashes.local.iter().map(|h| h.0).collect::<Vec<_>>(),
+        "sequence": r.hashes.sequence.iter().map(|h| h.0).collect::<Vec<_>>(),
+        "tokenize_failure": r.tokenize_failure.as_ref().map(ToString::to_string),
+        "pick": d.pick.endpoint.to_string(),
+        "pick_dp_rank": d.pick.dp_rank,
+        "fallbacks": d.fallbacks.iter().map(|w| w.endpoint.to_string()).collect::<Vec<_>>(),
+        "cached_blocks": d.cached_blocks,
+        "candidates": candidates,
+    })
 }
 
 async fn query_by_hash(State(s): State<AdminState>, body: axum::body::Bytes) -> Response {

@@ -544,6 +544,16 @@ pub enum ConfigError {
     /// A value is out of range or inconsistent.
     #[error("invalid configuration: {0}")]
     Invalid(String),
+    /// A secret file the configuration names could not be read.
+    #[error("{field} {path}: {source}")]
+    Secret {
+        /// The field naming the file.
+        field: &'static str,
+        /// The path.
+        path: String,
+        /// The cause.
+        source: std::io::Error,
+    },
 }
 
 impl Config {
@@ -560,6 +570,21 @@ impl Config {
             },
             other => other,
         })
+    }
+
+    /// Reads the secret files the configuration names into their values (today
+    /// `salt.fingerprint_key_file` → `salt.fingerprint_key`, trimmed). Every command that
+    /// computes what the server computes (`serve`, `tokenize`) calls this, so fingerprints agree.
+    pub fn read_secret_files(&mut self) -> Result<(), ConfigError> {
+        if let Some(path) = self.salt.fingerprint_key_file.take() {
+            let key = std::fs::read_to_string(&path).map_err(|source| ConfigError::Secret {
+                field: "salt.fingerprint_key_file",
+                path: path.display().to_string(),
+                source,
+            })?;
+            self.salt.fingerprint_key = Some(key.trim().to_owned());
+        }
+        Ok(())
     }
 
     /// Parses YAML text (not yet validated).

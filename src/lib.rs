@@ -4,6 +4,7 @@
 
 pub mod admin;
 pub mod config;
+pub mod decide;
 pub mod discovery;
 pub mod engine_metrics;
 pub mod events;

@@ -17,7 +17,8 @@ type Labels = Vec<(String, String)>;
 /// Every metric kv-epp exports.
 pub struct Metrics {
     registry: Registry,
-    /// Requests by model and outcome (`routed`, `rejected_*`, `error`).
+    /// Requests by model and outcome (`decide::ROUTED`, `decide::TOKENIZE_FAILED`, or a
+    /// `decide::Reject::outcome`; the set is listed in README.md).
     pub requests: Family<Labels, Counter>,
     /// Time from the end of the request body (or headers) to the decision.
     pub decision_seconds: Histogram,

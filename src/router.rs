@@ -1,25 +1,23 @@
-//! The picker's business logic: from a understood request (model, tokens, salt, constraints) to
-//! a booked decision. No I/O; the ext_proc stream and the query API are thin edges around it.
+//! What routing decisions are made from: the served models (index, block size, LoRA adapters,
+//! tokenizers, prompt limits), the live workers (readiness, in-flight count, engine load) and the
+//! policies (scoring, in-flight limit, unknown models, salts). The decision itself is made in
+//! [`crate::decide`]; this module holds the state it reads and the bookings it takes.
 //!
 //! Load accounting cannot leak: a decision carries a [`Booking`] that holds one in-flight slot on
 //! the chosen worker and gives it back when dropped, exactly once, whatever ends the request.
 
 use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use parking_lot::RwLock;
-use rand::SeedableRng;
-use rand::rngs::SmallRng;
 
 use crate::config::{Config, UnknownModel};
 use crate::fingerprint::FingerprintKey;
-use crate::hashing::{SequenceHash, prompt_hashes};
 use crate::index::KvIndex;
 use crate::metrics::Metrics;
-use crate::salt::{CacheSalt, SaltPolicy, seed_for};
-use crate::scoring::{Candidate, EngineLoad, PickError, ScoringConfig, pick};
+use crate::salt::SaltPolicy;
+use crate::scoring::{EngineLoad, ScoringConfig};
 use crate::tokenize::{Endpoint, ModelCatalog, TokenizeError};
 use crate::worker::WorkerId;
 
@@ -101,62 +99,6 @@ struct ModelState {
     index: Arc<KvIndex>,
 }
 
-/// What the router needs to know about one request.
-#[derive(Clone, Debug, Default)]
-pub struct RouteRequest<'a> {
-    /// The `model` field.
-    pub model: Option<&'a str>,
-    /// Prompt token IDs, when the request has them.
-    pub tokens: Option<&'a [u32]>,
-    /// The resolved salt.
-    pub salt: Option<&'a CacheSalt>,
-    /// Gateway subset hint: only these endpoints are eligible.
-    pub subset: Option<Vec<SocketAddr>>,
-    /// Conformance order: only workers on these IPs, preferred in this order.
-    pub conformance_ips: Option<Vec<IpAddr>>,
-}
-
-/// A booked routing decision.
-#[derive(Debug)]
-pub struct RouteDecision {
-    /// The primary endpoint's booking.
-    pub booking: Booking,
-    /// Ordered fallbacks.
-    pub fallbacks: Vec<WorkerId>,
-    /// Prompt blocks.
-    pub prompt_blocks: u32,
-    /// Blocks credited as cached on the primary.
-    pub cached_blocks: f64,
-    /// The configured model the request was matched to (`None`: unknown, routed on load).
-    pub model: Option<String>,
-    /// The LoRA adapter named by the request, if `model` was an adapter.
-    pub lora: Option<String>,
-}
-
-impl RouteDecision {
-    /// The value for `x-gateway-destination-endpoint` and the `envoy.lb` metadata.
-    pub fn destination(&self) -> String {
-        std::iter::once(self.booking.worker().endpoint.to_string())
-            .chain(self.fallbacks.iter().map(|w| w.endpoint.to_string()))
-            .collect::<Vec<_>>()
-            .join(",")
-    }
-}
-
-/// Why a request was not routed. Each maps to one HTTP status at the edge.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum RouteError {
-    /// No ready endpoint (or none inside the subset): 503.
-    #[error("no ready endpoint{0}")]
-    NoEndpoints(&'static str),
-    /// Every candidate is at its in-flight limit: 429.
-    #[error("every candidate endpoint is at its in-flight limit")]
-    Saturated,
-    /// The model is not served and the policy rejects unknown models: 404.
-    #[error("model `{0}` is not served here")]
-    UnknownModel(String),
-}
-
 /// The router.
 pub struct Router {
     models: HashMap<String, ModelState>,
@@ -172,24 +114,6 @@ pub struct Router {
     decisions: AtomicU64,
     tokenizers: ModelCatalog,
     max_prompt_tokens: HashMap<String, usize>,
-}
-
-/// Why a prompt was refused before routing.
-#[derive(Debug, thiserror::Error)]
-pub enum PromptError {
-    /// The request could not be tokenized (a client error: 400, or 404 for an unknown model).
-    #[error(transparent)]
-    Tokenize(#[from] TokenizeError),
-    /// The prompt is longer than the model allows.
-    #[error("prompt is {tokens} tokens; model `{model}` accepts at most {max}")]
-    TooLong {
-        /// The model.
-        model: String,
-        /// Prompt tokens.
-        tokens: usize,
-        /// The limit.
-        max: usize,
-    },
 }
 
 impl Router {
@@ -369,245 +293,49 @@ impl Router {
         )
     }
 
-    /// Checks a prompt against its model's `max_prompt_tokens`.
-    pub fn check_prompt(&self, model: Option<&str>, tokens: usize) -> Result<(), PromptError> {
-        let Some((base, _)) = model.and_then(|m| self.resolve_model(m)) else {
-            return Ok(());
-        };
-        match self.max_prompt_tokens.get(base) {
-            Some(&max) if tokens > max => Err(PromptError::TooLong {
-                model: base.to_owned(),
-                tokens,
-                max,
-            }),
-            _ => Ok(()),
+    /// A base model's block size (`None` when the model is not served).
+    pub fn block_size(&self, base: &str) -> Option<usize> {
+        self.models.get(base).map(|m| m.block_size)
+    }
+
+    /// A base model's `max_prompt_tokens`, if it sets one.
+    pub fn max_prompt_tokens(&self, base: &str) -> Option<usize> {
+        self.max_prompt_tokens.get(base).copied()
+    }
+
+    /// The scoring weights and fallback count.
+    pub fn scoring(&self) -> &ScoringConfig {
+        &self.scoring
+    }
+
+    /// The per-worker in-flight limit, if any.
+    pub fn max_inflight(&self) -> Option<u32> {
+        self.max_inflight
+    }
+
+    /// Whether a request naming a model that is not served is refused (else routed on load).
+    pub fn rejects_unknown_models(&self) -> bool {
+        self.unknown_model == UnknownModel::Reject
+    }
+
+    /// Runs `f` over the live workers under the read lock (no copy of the list per request).
+    pub fn with_workers<R>(&self, f: impl FnOnce(&[Arc<WorkerRuntime>]) -> R) -> R {
+        f(&self.workers.read())
+    }
+
+    /// The number of this decision: spreads prompt-less requests and seeds sampling. A decision
+    /// that books advances the count; an explanation reads the number the next one would get,
+    /// so explaining changes nothing.
+    pub fn decision_number(&self, advance: bool) -> u64 {
+        if advance {
+            self.decisions.fetch_add(1, Ordering::Relaxed)
+        } else {
+            self.decisions.load(Ordering::Relaxed)
         }
     }
 
-    /// The prefix hashes of a prompt for a model, under a salt and adapter.
-    pub fn prompt_hashes(
-        &self,
-        model: &str,
-        tokens: &[u32],
-        salt: Option<&CacheSalt>,
-        lora: Option<&str>,
-    ) -> Option<Vec<SequenceHash>> {
-        let m = self.models.get(model)?;
-        Some(prompt_hashes(tokens, m.block_size, seed_for(salt, lora)).1)
-    }
-
-    /// Decides and books a worker for `req`.
-    pub fn route(&self, req: &RouteRequest<'_>) -> Result<RouteDecision, RouteError> {
-        let resolved = req.model.and_then(|m| self.resolve_model(m));
-        if resolved.is_none() && self.unknown_model == UnknownModel::Reject {
-            return Err(RouteError::UnknownModel(
-                req.model.unwrap_or_default().to_owned(),
-            ));
-        }
-        let workers = self.workers.read();
-        let eligible: Vec<&Arc<WorkerRuntime>> = workers
-            .iter()
-            .filter(|w| w.is_ready())
-            .filter(|w| resolved.is_none_or(|(base, _)| w.model == base))
-            .filter(|w| {
-                req.subset
-                    .as_ref()
-                    .is_none_or(|s| s.contains(&w.id.endpoint))
-            })
-            .filter(|w| {
-                req.conformance_ips
-                    .as_ref()
-                    .is_none_or(|ips| ips.contains(&w.id.endpoint.ip()))
-            })
-            .collect();
-        if eligible.is_empty() {
-            let why = if req.subset.is_some() || req.conformance_ips.is_some() {
-                " in the requested subset"
-            } else {
-                ""
-            };
-            return Err(RouteError::NoEndpoints(why));
-        }
-        // Conformance: the test picker's order is authoritative.
-        if let Some(ips) = &req.conformance_ips {
-            let first = ips
-                .iter()
-                .find_map(|ip| eligible.iter().find(|w| w.id.endpoint.ip() == *ip))
-                .copied()
-                .ok_or(RouteError::NoEndpoints(" in the requested subset"))?;
-            return Ok(RouteDecision {
-                booking: Booking::new(first.clone(), self.metrics.clone()),
-                fallbacks: Vec::new(),
-                prompt_blocks: 0,
-                cached_blocks: 0.0,
-                model: resolved.map(|(b, _)| b.to_owned()),
-                lora: resolved.and_then(|(_, l)| l.map(str::to_owned)),
-            });
-        }
-        let (seqs, overlaps) = match (resolved, req.tokens) {
-            (Some((base, lora)), Some(tokens)) => {
-                let m = &self.models[base];
-                let seqs = prompt_hashes(tokens, m.block_size, seed_for(req.salt, lora)).1;
-                let overlaps = m.index.query(&seqs);
-                (seqs, overlaps)
-            }
-            _ => (Vec::new(), Vec::new()),
-        };
-        let candidates: Vec<Candidate> = eligible
-            .iter()
-            .map(|w| {
-                let o = overlaps.iter().find(|o| o.worker == w.id);
-                Candidate {
-                    worker: w.id,
-                    device_blocks: o.map_or(0, |o| o.device_blocks),
-                    total_blocks: o.map_or(0, |o| o.total_blocks),
-                    inflight: w.inflight(),
-                    max_inflight: self.max_inflight,
-                    engine: *w.engine.read(),
-                }
-            })
-            .collect();
-        let n = self.decisions.fetch_add(1, Ordering::Relaxed);
-        // With no prompt blocks, spread by decision count; otherwise keep identical prefixes together.
-        let key = seqs
-            .first()
-            .map_or(n.wrapping_mul(0x9e37_79b9_7f4a_7c15), |s| s.0);
-        let mut rng = SmallRng::seed_from_u64(key ^ n);
-        let d = pick(&candidates, seqs.len() as u32, key, &self.scoring, &mut rng).map_err(
-            |e| match e {
-                PickError::NoCandidates => RouteError::NoEndpoints(""),
-                PickError::AllSaturated => RouteError::Saturated,
-            },
-        )?;
-        let chosen = eligible
-            .iter()
-            .find(|w| w.id == d.primary.candidate.worker)
-            .copied()
-            .ok_or(RouteError::NoEndpoints(""))?;
-        Ok(RouteDecision {
-            booking: Booking::new(chosen.clone(), self.metrics.clone()),
-            fallbacks: d.fallbacks,
-            prompt_blocks: seqs.len() as u32,
-            cached_blocks: d.primary.cached_blocks,
-            model: resolved.map(|(b, _)| b.to_owned()),
-            lora: resolved.and_then(|(_, l)| l.map(str::to_owned)),
-        })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::hashing::HashSeed;
-    use crate::index::{EngineBlockHash, Medium, StoreBlocks};
-
-    fn config(yaml: &str) -> Config {
-        let c = Config::from_yaml(yaml).unwrap();
-        c.validate().unwrap();
-        c
-    }
-
-    const TWO: &str = "models: [{name: m, block_size: 4, lora_adapters: [ad]}]
-workers: [{endpoint: '10.0.0.1:8000', model: m}, {endpoint: '10.0.0.2:8000', model: m}]";
-
-    #[test]
-    fn bookings_release_exactly_once_on_drop() {
-        let r = Router::new(&config(TWO), Arc::new(Metrics::new()));
-        let a = r.route(&RouteRequest::default()).unwrap();
-        let b = r.route(&RouteRequest::default()).unwrap();
-        assert_eq!(r.total_inflight(), 2);
-        assert_ne!(a.booking.worker(), b.booking.worker(), "load spreads");
-        drop(a);
-        assert_eq!(r.total_inflight(), 1);
-        drop(b);
-        assert_eq!(r.total_inflight(), 0);
-    }
-
-    #[test]
-    fn routes_to_the_prefix_holder_only_under_the_same_salt() {
-        let r = Router::new(&config(TWO), Arc::new(Metrics::new()));
-        let holder: WorkerId = "10.0.0.2:8000".parse().unwrap();
-        let tokens: Vec<u32> = (0..16).collect();
-        let salt = CacheSalt::new("tenant-a", crate::salt::SaltSource::Header)
-            .unwrap()
-            .unwrap();
-        let hashes: Vec<EngineBlockHash> = (1..=4).map(EngineBlockHash).collect();
-        r.index("m")
-            .unwrap()
-            .store(
-                &holder,
-                &StoreBlocks {
-                    parent: None,
-                    root_seed: Some(HashSeed::new(None, Some("tenant-a"))),
-                    engine_hashes: &hashes,
-                    tokens: &tokens,
-                    medium: Medium::Device,
-                },
-            )
-            .unwrap();
-        for _ in 0..3 {
-            let d = r
-                .route(&RouteRequest {
-                    model: Some("m"),
-                    tokens: Some(&tokens),
-                    salt: Some(&salt),
-                    ..RouteRequest::default()
-                })
-                .unwrap();
-            assert_eq!(*d.booking.worker(), holder);
-            assert_eq!(d.cached_blocks, 4.0);
-        }
-        let other = CacheSalt::new("tenant-b", crate::salt::SaltSource::Header)
-            .unwrap()
-            .unwrap();
-        let d = r
-            .route(&RouteRequest {
-                model: Some("m"),
-                tokens: Some(&tokens),
-                salt: Some(&other),
-                ..RouteRequest::default()
-            })
-            .unwrap();
-        assert_eq!(d.cached_blocks, 0.0, "another tenant gets no credit");
-    }
-
-    #[test]
-    fn subset_saturation_and_unknown_models() {
-        let yaml = format!("{TWO}\nrouting: {{max_inflight_per_worker: 1, unknown_model: reject}}");
-        let r = Router::new(&config(&yaml), Arc::new(Metrics::new()));
-        let only2: SocketAddr = "10.0.0.2:8000".parse().unwrap();
-        let req = RouteRequest {
-            model: Some("m"),
-            subset: Some(vec![only2]),
-            ..RouteRequest::default()
-        };
-        let d = r.route(&req).unwrap();
-        assert_eq!(d.booking.worker().endpoint, only2);
-        assert_eq!(r.route(&req).unwrap_err(), RouteError::Saturated);
-        let none = RouteRequest {
-            model: Some("m"),
-            subset: Some(vec![]),
-            ..RouteRequest::default()
-        };
-        assert!(matches!(
-            r.route(&none).unwrap_err(),
-            RouteError::NoEndpoints(_)
-        ));
-        assert_eq!(
-            r.route(&RouteRequest {
-                model: Some("nope"),
-                ..RouteRequest::default()
-            })
-            .unwrap_err(),
-            RouteError::UnknownModel("nope".into())
-        );
-        let lora = r
-            .route(&RouteRequest {
-                model: Some("ad"),
-                ..RouteRequest::default()
-            })
-            .unwrap();
-        assert_eq!(lora.lora.as_deref(), Some("ad"));
-        assert_eq!(lora.model.as_deref(), Some("m"));
+    /// Books one in-flight slot on `worker`, released when the booking drops.
+    pub fn book(&self, worker: &Arc<WorkerRuntime>) -> Booking {
+        Booking::new(worker.clone(), self.metrics.clone())
     }
 }

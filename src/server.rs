@@ -311,6 +311,7 @@ impl Server {
             router: router.clone(),
             feeds: feeds.clone(),
             replica: replica.clone(),
+            max_body_bytes: config.routing.max_body_bytes,
         });
         let mut stop = rx.clone();
         tasks.push(tokio::spawn(async move {

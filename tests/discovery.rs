@@ -15,7 +15,7 @@ use std::time::Duration;
 use common::sim::SimSpec;
 use kube_api::{FakeKube, Res, endpoint_slice, pod, pool_v1, pool_v1alpha2};
 use kv_epp::config::Config;
-use kv_epp::router::RouteRequest;
+use kv_epp::decide::{RequestParts, decide};
 use kv_epp::server::Server;
 use kv_epp_sim::server::SimWorker;
 use serde_json::json;
@@ -100,15 +100,14 @@ fn picks(s: &Server) -> BTreeSet<String> {
     (0..8u32)
         .filter_map(|i| {
             let tokens = [i, i + 1, i + 2, i + 3, i + 4, i + 5, i + 6, i + 7];
-            let d = s
-                .router
-                .route(&RouteRequest {
-                    model: Some("m"),
-                    tokens: Some(&tokens),
-                    ..Default::default()
-                })
-                .ok()?;
-            Some(d.booking.worker().to_string())
+            let body = serde_json::json!({"model": "m", "prompt": tokens}).to_string();
+            let parts = RequestParts {
+                path: "/v1/completions",
+                body: Some(body.as_bytes()),
+                ..RequestParts::default()
+            };
+            let d = decide(&s.router, &parts).ok()?;
+            Some(d.pick.to_string())
         })
         .collect()
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::eventually;
 use kv_epp::config::Config;
-use kv_epp::router::RouteRequest;
+use kv_epp::decide::{RequestParts, decide};
 use kv_epp::server::Server;
 use tokio::net::TcpListener;
 
@@ -65,12 +65,8 @@ async fn busy_engines_lose_traffic_and_stale_figures_are_dropped() {
         "figures scraped"
     );
     for _ in 0..20 {
-        let d = server.router.route(&RouteRequest::default()).unwrap();
-        assert_eq!(
-            d.booking.worker().endpoint,
-            idle,
-            "the queued engine is avoided"
-        );
+        let d = decide(&server.router, &RequestParts::default()).unwrap();
+        assert_eq!(d.pick.endpoint, idle, "the queued engine is avoided");
     }
     busy_up.store(false, Ordering::Relaxed);
     assert!(

@@ -91,11 +91,7 @@ pub(crate) fn effective_config(args: &ServeArgs) -> Result<Config, String> {
     if let Some(path) = &c.peers.token_file {
         std::fs::metadata(path).map_err(|e| format!("peer token file {}: {e}", path.display()))?;
     }
-    if let Some(path) = c.salt.fingerprint_key_file.take() {
-        let key = std::fs::read_to_string(&path)
-            .map_err(|e| format!("salt.fingerprint_key_file {}: {e}", path.display()))?;
-        c.salt.fingerprint_key = Some(key.trim().to_owned());
-    }
+    c.read_secret_files().map_err(|e| e.to_string())?;
     Ok(c)
 }
 

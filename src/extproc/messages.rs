@@ -13,6 +13,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 
+use crate::decide::Reject;
+
 /// The routing header and metadata key of the endpoint-picker protocol.
 pub const DESTINATION: &str = "x-gateway-destination-endpoint";
 /// Dynamic metadata namespace Envoy's load balancer reads.
@@ -153,31 +155,24 @@ pub fn trailers(request: bool) -> ProcessingResponse {
     }
 }
 
-/// A local reply: `status` with a JSON error body (OpenAI error shape) and a reason header.
-pub fn immediate(
-    status: u16,
-    kind: &str,
-    message: &str,
-    extra: Vec<HeaderValueOption>,
-) -> ProcessingResponse {
-    let body = serde_json::json!({
-        "error": {"message": message, "type": kind, "code": status}
-    })
-    .to_string();
+/// A local reply refusing the request: the status, reason header and OpenAI-style JSON body all
+/// come from the [`Reject`], plus `extra` headers (e.g. `Retry-After`).
+pub fn immediate(reject: &Reject, extra: Vec<HeaderValueOption>) -> ProcessingResponse {
+    let reason = reject.reason();
     let mut headers = vec![
         set_header("content-type", b"application/json"),
-        set_header("x-llm-d-request-dropped-reason", kind.as_bytes()),
+        set_header("x-llm-d-request-dropped-reason", reason.as_bytes()),
     ];
     headers.extend(extra);
     ProcessingResponse {
         response: Some(Response::ImmediateResponse(ImmediateResponse {
             status: Some(HttpStatus {
-                code: i32::from(status),
+                code: i32::from(reject.status()),
             }),
             headers: mutation(headers, Vec::new()),
-            body: body.into_bytes(),
+            body: reject.body().to_string().into_bytes(),
             grpc_status: None,
-            details: format!("kv-epp: {kind}"),
+            details: format!("kv-epp: {reason}"),
         })),
         ..ProcessingResponse::default()
     }

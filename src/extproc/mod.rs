@@ -1,5 +1,5 @@
 //! The ext_proc gRPC edge: a thin tonic adapter that runs one [`stream::StreamHandler`] per
-//! Envoy stream. All decisions live in the handler and the router; this file only moves messages.
+//! Envoy stream. Decisions are `crate::decide`'s, stream state the handler's; this file only moves messages.
 
 pub mod messages;
 pub mod stream;

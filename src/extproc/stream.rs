@@ -29,12 +29,10 @@ use envoy_types::pb::google::protobuf::value::Kind;
 
 use super::messages::{self, DESTINATION, LB_NAMESPACE, Phase};
 use super::usage::UsageScanner;
-use crate::forward::rewrite_salt;
+use crate::decide::{self, Decision, ROUTED, Reject, RequestParts, TOKENIZE_FAILED};
 use crate::metrics::Metrics;
-use crate::request::{self, Prompt};
-use crate::router::{RouteDecision, RouteError, RouteRequest, Router};
-use crate::salt::{SaltInputs, TENANT_HEADER, resolve};
-use crate::tokenize::TokenizeError;
+use crate::router::Router;
+use crate::salt::TENANT_HEADER;
 
 /// Options of the stream handler (from the configuration).
 #[derive(Clone, Debug)]
@@ -92,7 +90,8 @@ enum State {
         body: Vec<u8>,
     },
     Routed {
-        decision: RouteDecision,
+        /// Boxed: a decision (tokens, hashes, candidates) dwarfs the other states.
+        decision: Box<Decision>,
         usage: Option<UsageScanner>,
     },
     Finished,
@@ -130,7 +129,7 @@ impl StreamHandler {
     }
 
     /// The routing decision, once made.
-    pub fn decision(&self) -> Option<&RouteDecision> {
+    pub fn decision(&self) -> Option<&Decision> {
         match &self.state {
             State::Routed { decision, .. } => Some(decision),
             _ => None,
@@ -157,13 +156,9 @@ impl StreamHandler {
             }
             (State::CollectBody { head, mut body }, Request::RequestBody(b)) => {
                 if body.len() + b.body.len() > self.opts.max_body_bytes {
-                    self.router.metrics().request("", "rejected_too_large");
-                    let limit = self.opts.max_body_bytes;
-                    let msg = format!("request body exceeds the limit of {limit} bytes");
-                    (
-                        State::Finished,
-                        vec![messages::immediate(413, "body-too-large", &msg, vec![])],
-                    )
+                    self.refuse(&Reject::BodyTooLarge {
+                        limit: self.opts.max_body_bytes,
+                    })
                 } else {
                     body.extend_from_slice(&b.body);
                     if b.end_of_stream {
@@ -307,7 +302,7 @@ impl StreamHandler {
         head
     }
 
-    /// Parses the body, resolves the salt, routes, and builds the answer.
+    /// Decides on the whole body, in the phase the body mode answers in.
     fn decide(
         &mut self,
         head: RequestHead,
@@ -321,6 +316,7 @@ impl StreamHandler {
         self.route_and_answer(head, Some(body), phase, body_ends)
     }
 
+    /// The edge's whole share of a decision: typed parts in, Envoy messages out.
     fn route_and_answer(
         &mut self,
         head: RequestHead,
@@ -328,127 +324,50 @@ impl StreamHandler {
         phase: Phase,
         body_ends: bool,
     ) -> (State, Vec<ProcessingResponse>) {
-        let mut out = Vec::new();
         let started = Instant::now();
         let metrics = self.router.metrics().clone();
-        let parsed = match body.as_deref() {
-            None | Some([]) => None,
-            Some(bytes) => match request::parse(bytes) {
-                Ok(p) => Some(p),
-                Err(e) => {
-                    metrics.request("", "rejected_bad_request");
-                    return reject(400, "bad-request", &e.to_string());
-                }
-            },
-        };
         let tenant: Vec<&[u8]> = head.tenant.iter().map(Vec::as_slice).collect();
-        let inputs = SaltInputs {
-            header: &tenant,
-            nvext: parsed.as_ref().map(|p| p.nvext_salt()).unwrap_or_default(),
-            body: parsed.as_ref().map(|p| p.body_salt()).unwrap_or_default(),
+        let parts = RequestParts {
+            path: &head.path,
+            tenant: &tenant,
+            body: body.as_deref(),
+            subset: head.subset.as_deref(),
+            conformance: head.conformance_ips.as_deref(),
         };
-        let salt = match resolve(&inputs, self.router.salt_policy()) {
-            Ok(s) => s,
-            Err(e) => {
-                metrics.request("", "rejected_bad_salt");
-                return reject(400, "bad-cache-salt", &e.to_string());
-            }
-        };
-        let model = parsed.as_ref().and_then(|p| p.model.as_deref());
-        let tokens: Option<Vec<u32>> = match (parsed.as_ref().map(|p| &p.prompt), body.as_deref()) {
-            (Some(Prompt::TokenIds(t)), _) => Some(t.clone()),
-            (Some(_), Some(bytes)) => {
-                match self.router.tokenize(&head.path, model.unwrap_or(""), bytes) {
-                    None => None,
-                    Some(Ok(t)) => Some(t),
-                    Some(Err(e)) if e.is_client_error() => {
-                        metrics.request(model.unwrap_or(""), "rejected_bad_request");
-                        let status = if matches!(e, TokenizeError::UnknownModel(_)) {
-                            404
-                        } else {
-                            400
-                        };
-                        return reject(status, "bad-request", &e.to_string());
-                    }
-                    Some(Err(e)) => {
-                        // Our failure, not the client's: route on load alone rather than refuse.
-                        tracing::warn!(error = %e, "tokenization failed; routing on load alone");
-                        metrics.request(model.unwrap_or(""), "tokenize_failed");
-                        None
-                    }
-                }
-            }
-            _ => None,
-        };
-        if let Some(t) = &tokens
-            && let Err(e) = self.router.check_prompt(model, t.len())
-        {
-            metrics.request(model.unwrap_or(""), "rejected_prompt_too_long");
-            return reject(400, "prompt-too-long", &e.to_string());
-        }
-        let tokens = tokens.as_deref();
-        let req = RouteRequest {
-            model,
-            tokens,
-            salt: salt.as_ref().map(|s| &s.salt),
-            subset: head.subset.clone(),
-            conformance_ips: head.conformance_ips.clone(),
-        };
-        let model_label = model.unwrap_or("");
-        let decision = match self.router.route(&req) {
+        let mut decision = match decide::decide(&self.router, &parts) {
             Ok(d) => d,
-            Err(e) => {
-                let (status, kind) = match &e {
-                    RouteError::NoEndpoints(_) => (503, "rejected-no-endpoints"),
-                    RouteError::Saturated => (429, "rejected-saturated"),
-                    RouteError::UnknownModel(_) => (404, "model-not-found"),
-                };
-                metrics.request(model_label, kind);
-                let extra = if status == 429 {
-                    vec![messages::set_header(
-                        "retry-after",
-                        self.opts.retry_after_seconds.to_string().as_bytes(),
-                    )]
-                } else {
-                    Vec::new()
-                };
-                return (
-                    State::Finished,
-                    vec![messages::immediate(status, kind, &e.to_string(), extra)],
-                );
-            }
+            Err(reject) => return self.refuse(&reject),
         };
+        let label_model = decision.model_label().to_owned();
+        if let Some(e) = &decision.request.tokenize_failure {
+            tracing::warn!(error = %e, "tokenization failed; routing on load alone");
+            let named = decision.request.model.named.as_deref().unwrap_or("");
+            metrics.request(named, TOKENIZE_FAILED);
+        }
         metrics
             .decision_seconds
             .observe(started.elapsed().as_secs_f64());
-        let label_model = decision.model.as_deref().unwrap_or("unknown");
-        metrics.request(label_model, "routed");
-        let labels = Metrics::labels(&[("model", label_model)]);
+        metrics.request(&label_model, ROUTED);
+        let labels = Metrics::labels(&[("model", &label_model)]);
         metrics
             .prompt_blocks
             .get_or_create(&labels)
-            .inc_by(u64::from(decision.prompt_blocks));
+            .inc_by(u64::from(decision.request.prompt_blocks()));
         metrics
             .cached_blocks
             .get_or_create(&labels)
             .inc_by(decision.cached_blocks.floor() as u64);
         tracing::debug!(
-            worker = %decision.booking.worker(),
+            worker = %decision.pick,
             model = label_model,
-            salt = ?salt.as_ref().map(|s| s.salt.fingerprint(self.router.fingerprints())),
-            prompt_blocks = decision.prompt_blocks,
+            salt = ?decision.request.salt,
+            prompt_blocks = decision.request.prompt_blocks(),
             cached_blocks = decision.cached_blocks,
             "routed"
         );
-        // The engine must cache under the namespace we hashed with: put the forwarded salt in
-        // its field and drop client salt fields; otherwise the body goes through untouched.
-        let forwarded_salt = salt
-            .as_ref()
-            .map(|s| crate::engine_salt::forwarded(&s.salt));
-        let rewritten = match (&parsed, body.as_deref()) {
-            (Some(_), Some(bytes)) => rewrite_salt(bytes, forwarded_salt.as_deref()),
-            _ => None,
-        };
+        // The stream keeps the decision (and its booking) until it ends; the rewritten body is
+        // sent now and need not be held that long.
+        let rewritten = decision.request.rewritten_body.take();
         let destination = decision.destination();
         let mut set = vec![messages::set_header(DESTINATION, destination.as_bytes())];
         let mut body_mutation = None;
@@ -461,7 +380,7 @@ impl StreamHandler {
                 mutation: Some(body_mutation::Mutation::Body(new.clone())),
             });
         }
-        out.push(messages::common(
+        let mut out = vec![messages::common(
             phase,
             CommonResponse {
                 header_mutation: messages::mutation(set, head.strip),
@@ -470,7 +389,7 @@ impl StreamHandler {
                 ..CommonResponse::default()
             },
             Some(messages::destination_metadata(&destination)),
-        ));
+        )];
         if let (BodyMode::FullDuplex, Some(body), Phase::RequestHeaders) =
             (self.request_mode, body.as_deref(), phase)
         {
@@ -483,16 +402,32 @@ impl StreamHandler {
         }
         (
             State::Routed {
-                decision,
+                decision: Box::new(decision),
                 usage: None,
             },
             out,
         )
     }
 
+    /// Counts a refusal and answers it with a local reply.
+    fn refuse(&self, reject: &Reject) -> (State, Vec<ProcessingResponse>) {
+        self.router
+            .metrics()
+            .request(reject.model_label(), reject.outcome());
+        let extra = if reject.retry_later() {
+            vec![messages::set_header(
+                "retry-after",
+                self.opts.retry_after_seconds.to_string().as_bytes(),
+            )]
+        } else {
+            Vec::new()
+        };
+        (State::Finished, vec![messages::immediate(reject, extra)])
+    }
+
     fn on_response_headers(
         &self,
-        decision: &RouteDecision,
+        decision: &Decision,
         h: &HttpHeaders,
         metadata: Option<&Metadata>,
     ) -> (Option<UsageScanner>, Vec<ProcessingResponse>) {
@@ -515,7 +450,7 @@ impl StreamHandler {
         let served = served_endpoint(metadata);
         let mut set = Vec::new();
         if let Some(served) = &served {
-            let picked = decision.booking.worker().endpoint.to_string();
+            let picked = decision.pick.endpoint.to_string();
             if *served != picked {
                 self.router.metrics().served_mismatch.inc();
             }
@@ -542,9 +477,9 @@ impl StreamHandler {
         }
     }
 
-    fn record_usage(&self, decision: &RouteDecision, scanner: UsageScanner) {
+    fn record_usage(&self, decision: &Decision, scanner: UsageScanner) {
         let Some(u) = scanner.finish() else { return };
-        let model = decision.model.as_deref().unwrap_or("unknown");
+        let model = decision.model_label();
         let m = self.router.metrics();
         for (kind, n) in [
             ("prompt", u.prompt_tokens),
@@ -556,13 +491,6 @@ impl StreamHandler {
                 .inc_by(n);
         }
     }
-}
-
-fn reject(status: u16, kind: &str, message: &str) -> (State, Vec<ProcessingResponse>) {
-    (
-        State::Finished,
-        vec![messages::immediate(status, kind, message, Vec::new())],
-    )
 }
 
 /// The gateway's subset hint: a list of `ip:port` strings or one comma-separated string.

@@ -130,7 +130,8 @@ impl Candidate {
         }
     }
 
-    fn saturated(&self) -> bool {
+    /// Whether the worker is at its in-flight limit (never picked).
+    pub fn saturated(&self) -> bool {
         self.max_inflight.is_some_and(|m| self.inflight >= m)
     }
 }
@@ -144,6 +145,23 @@ pub struct Scored {
     pub cost: f64,
     /// Prompt blocks counted as cached (device + credited offload).
     pub cached_blocks: f64,
+    /// The terms `cost` is the sum of, for explaining a decision.
+    pub terms: CostTerms,
+}
+
+/// The weighted terms of a cost, exactly as [`score`] adds them up (so an explanation can never
+/// disagree with the pick).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CostTerms {
+    /// `prefix_weight` × the uncached share of the prompt.
+    pub prefix: f64,
+    /// `queue_weight` × `q / (q + queue_scale)`.
+    pub queue: f64,
+    /// `kv_usage_weight` × the engine's KV-cache usage.
+    pub kv_usage: f64,
+    /// The queue length `q` the queue term was computed from (the larger of kv-epp's in-flight
+    /// count and the engine's running + waiting).
+    pub queue_length: f64,
 }
 
 /// The outcome of a pick.
@@ -182,12 +200,17 @@ pub fn score(c: &Candidate, prompt_blocks: u32, cfg: &ScoringConfig) -> Scored {
         None => (own, 0.0),
     };
     let queue_norm = queue / (queue + cfg.queue_scale);
-    let cost =
-        cfg.prefix_weight * uncached + cfg.queue_weight * queue_norm + cfg.kv_usage_weight * kv;
+    let terms = CostTerms {
+        prefix: cfg.prefix_weight * uncached,
+        queue: cfg.queue_weight * queue_norm,
+        kv_usage: cfg.kv_usage_weight * kv,
+        queue_length: queue,
+    };
     Scored {
         candidate: *c,
-        cost,
+        cost: terms.prefix + terms.queue + terms.kv_usage,
         cached_blocks: cached,
+        terms,
     }
 }
 

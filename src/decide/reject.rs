@@ -1,0 +1,235 @@
+//! Every way kv-epp refuses a request, and how each refusal looks to the outside.
+//!
+//! The HTTP status, the `x-llm-d-request-dropped-reason` value, the OpenAI-style error body and
+//! the `kv_epp_requests_total{outcome}` label of a refusal all come from [`Reject`]'s methods, so
+//! the ext_proc edge and `POST /explain` cannot answer the same refusal differently. The reason
+//! values are what gateways and the conformance suite already match on, so they keep their
+//! historical spelling; the metric outcomes are one snake_case set, listed in README.md (a test
+//! checks that every outcome is listed there).
+
+use crate::request::RequestError;
+use crate::salt::SaltError;
+use crate::tokenize::TokenizeError;
+
+/// The `outcome` label of a request that was routed.
+pub const ROUTED: &str = "routed";
+/// The `outcome` label counted (besides `routed`) when tokenization failed on kv-epp's side and
+/// the request was routed on load alone.
+pub const TOKENIZE_FAILED: &str = "tokenize_failed";
+
+/// Why a request was refused. Each variant is one status, one reason and one metric outcome.
+#[derive(Debug, thiserror::Error)]
+pub enum Reject {
+    /// The body is not a JSON object, has no `model`, or has malformed token IDs: 400.
+    #[error(transparent)]
+    BadRequest(#[from] RequestError),
+    /// The salt is too long, repeated, not UTF-8, or required and missing: 400.
+    #[error(transparent)]
+    BadSalt(#[from] SaltError),
+    /// The request could not be tokenized through the client's fault (bad messages, a template
+    /// that raised, ...): 400.
+    #[error("{error}")]
+    BadPrompt {
+        /// The `model` field.
+        model: String,
+        /// What the tokenizer refused.
+        error: TokenizeError,
+    },
+    /// The model is not served here and `unknown_model: reject` is set: 404.
+    #[error("model `{0}` is not served here")]
+    UnknownModel(String),
+    /// The prompt is longer than the model's `max_prompt_tokens`: 400.
+    #[error("prompt is {tokens} tokens; model `{model}` accepts at most {max}")]
+    PromptTooLong {
+        /// The base model.
+        model: String,
+        /// Prompt tokens.
+        tokens: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The body is larger than `routing.max_body_bytes`: 413 (found by the edge while buffering).
+    #[error("request body exceeds the limit of {limit} bytes")]
+    BodyTooLarge {
+        /// The limit in bytes.
+        limit: usize,
+    },
+    /// No ready endpoint serves the model (or none inside the subset hint): 503.
+    #[error("no ready endpoint{scope}")]
+    NoEndpoints {
+        /// The `model` field, when there was one.
+        model: Option<String>,
+        /// `""`, or `" in the requested subset"` when a subset or conformance list narrowed it.
+        scope: &'static str,
+    },
+    /// Every candidate is at its in-flight limit: 429 with `Retry-After`.
+    #[error("every candidate endpoint is at its in-flight limit")]
+    Saturated {
+        /// The `model` field, when there was one.
+        model: Option<String>,
+    },
+}
+
+impl Reject {
+    /// The HTTP status of the local reply.
+    pub fn status(&self) -> u16 {
+        match self {
+            Reject::BadRequest(_)
+            | Reject::BadSalt(_)
+            | Reject::BadPrompt { .. }
+            | Reject::PromptTooLong { .. } => 400,
+            Reject::UnknownModel(_) => 404,
+            Reject::BodyTooLarge { .. } => 413,
+            Reject::Saturated { .. } => 429,
+            Reject::NoEndpoints { .. } => 503,
+        }
+    }
+
+    /// The `x-llm-d-request-dropped-reason` header value (also the error body's `type`).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Reject::BadRequest(_) | Reject::BadPrompt { .. } => "bad-request",
+            Reject::BadSalt(_) => "bad-cache-salt",
+            Reject::UnknownModel(_) => "model-not-found",
+            Reject::PromptTooLong { .. } => "prompt-too-long",
+            Reject::BodyTooLarge { .. } => "body-too-large",
+            Reject::NoEndpoints { .. } => "rejected-no-endpoints",
+            Reject::Saturated { .. } => "rejected-saturated",
+        }
+    }
+
+    /// The `outcome` label of `kv_epp_requests_total`.
+    pub fn outcome(&self) -> &'static str {
+        match self {
+            Reject::BadRequest(_) | Reject::BadPrompt { .. } => "rejected_bad_request",
+            Reject::BadSalt(_) => "rejected_bad_salt",
+            Reject::UnknownModel(_) => "rejected_unknown_model",
+            Reject::PromptTooLong { .. } => "rejected_prompt_too_long",
+            Reject::BodyTooLarge { .. } => "rejected_too_large",
+            Reject::NoEndpoints { .. } => "rejected_no_endpoints",
+            Reject::Saturated { .. } => "rejected_saturated",
+        }
+    }
+
+    /// The `model` label of `kv_epp_requests_total`: the request's `model` field when it was
+    /// read before the refusal, else empty.
+    pub fn model_label(&self) -> &str {
+        match self {
+            Reject::BadPrompt { model, .. } | Reject::UnknownModel(model) => model,
+            Reject::PromptTooLong { model, .. } => model,
+            Reject::NoEndpoints { model, .. } | Reject::Saturated { model } => {
+                model.as_deref().unwrap_or("")
+            }
+            Reject::BadRequest(_) | Reject::BadSalt(_) | Reject::BodyTooLarge { .. } => "",
+        }
+    }
+
+    /// Whether the reply carries `Retry-After` (the client may try again shortly).
+    pub fn retry_later(&self) -> bool {
+        matches!(self, Reject::Saturated { .. })
+    }
+
+    /// The OpenAI-style error body: `{"error": {"message", "type", "code"}}`.
+    pub fn body(&self) -> serde_json::Value {
+        serde_json::json!({
+            "error": {"message": self.to_string(), "type": self.reason(), "code": self.status()}
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One value of every variant. The match below stops compiling when a variant is added, so
+    /// a new refusal cannot skip the README check.
+    fn every_variant() -> Vec<Reject> {
+        let all = vec![
+            Reject::BadRequest(RequestError::MissingModel),
+            Reject::BadSalt(SaltError::HeaderRepeated),
+            Reject::BadPrompt {
+                model: "m".into(),
+                error: TokenizeError::UnknownModel("m".into()),
+            },
+            Reject::UnknownModel("m".into()),
+            Reject::PromptTooLong {
+                model: "m".into(),
+                tokens: 9,
+                max: 8,
+            },
+            Reject::BodyTooLarge { limit: 1 },
+            Reject::NoEndpoints {
+                model: None,
+                scope: "",
+            },
+            Reject::Saturated { model: None },
+        ];
+        for r in &all {
+            match r {
+                Reject::BadRequest(_)
+                | Reject::BadSalt(_)
+                | Reject::BadPrompt { .. }
+                | Reject::UnknownModel(_)
+                | Reject::PromptTooLong { .. }
+                | Reject::BodyTooLarge { .. }
+                | Reject::NoEndpoints { .. }
+                | Reject::Saturated { .. } => {}
+            }
+        }
+        all
+    }
+
+    /// The README's list of outcome labels: the `` `label` `` items of the section that
+    /// documents `kv_epp_requests_total{outcome}`.
+    fn readme_outcomes() -> Vec<String> {
+        let readme = include_str!("../../README.md");
+        let start = readme
+            .find("<!-- outcomes -->")
+            .expect("README.md marks the outcome list with <!-- outcomes -->");
+        let end = start
+            + readme[start..]
+                .find("<!-- /outcomes -->")
+                .expect("README.md closes the outcome list with <!-- /outcomes -->");
+        readme[start..end]
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("- `"))
+            .filter_map(|l| l.split('`').next())
+            .map(str::to_owned)
+            .collect()
+    }
+
+    #[test]
+    fn every_outcome_is_documented_in_the_readme_in_one_style() {
+        let listed = readme_outcomes();
+        let mut labels: Vec<&str> = every_variant().iter().map(Reject::outcome).collect();
+        labels.extend([ROUTED, TOKENIZE_FAILED]);
+        for label in &labels {
+            assert!(
+                listed.iter().any(|l| l == label),
+                "outcome `{label}` is not in README.md's list {listed:?}"
+            );
+            assert!(
+                label.chars().all(|c| c.is_ascii_lowercase() || c == '_'),
+                "outcome `{label}` is not snake_case"
+            );
+        }
+        for l in &listed {
+            assert!(
+                labels.contains(&l.as_str()),
+                "README lists `{l}`, never counted"
+            );
+        }
+    }
+
+    #[test]
+    fn status_reason_and_body_agree() {
+        for r in every_variant() {
+            let body = r.body();
+            assert_eq!(body["error"]["code"], r.status());
+            assert_eq!(body["error"]["type"], r.reason());
+            assert_eq!(body["error"]["message"], r.to_string());
+            assert!((400..600).contains(&r.status()));
+        }
+        assert!(Reject::Saturated { model: None }.retry_later());
+    }
+}

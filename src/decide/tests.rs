@@ -1,0 +1,243 @@
+//! The pipeline's behaviour: bookings, tenant isolation, constraints, refusals, explanations.
+
+use std::sync::Arc;
+
+use super::*;
+use crate::config::Config;
+use crate::hashing::HashSeed;
+use crate::index::{EngineBlockHash, Medium, StoreBlocks};
+use crate::metrics::Metrics;
+
+fn router(extra: &str) -> Router {
+    let yaml = format!(
+        "models: [{{name: m, block_size: 4, lora_adapters: [ad]}}]
+workers: [{{endpoint: '10.0.0.1:8000', model: m}}, {{endpoint: '10.0.0.2:8000', model: m}}]
+{extra}"
+    );
+    let c = Config::from_yaml(&yaml).unwrap();
+    c.validate().unwrap();
+    Router::new(&c, Arc::new(Metrics::new()))
+}
+
+fn body(model: &str, tokens: &[u32]) -> Vec<u8> {
+    serde_json::json!({"model": model, "prompt": tokens})
+        .to_string()
+        .into_bytes()
+}
+
+fn parts<'a>(tenant: &'a [&'a [u8]], body: &'a [u8]) -> RequestParts<'a> {
+    RequestParts {
+        path: "/v1/completions",
+        tenant,
+        body: Some(body),
+        ..RequestParts::default()
+    }
+}
+
+/// Stores 4 blocks of `tokens` for `tenant` on `holder`.
+fn store(r: &Router, holder: WorkerId, tokens: &[u32], tenant: &str) {
+    let hashes: Vec<EngineBlockHash> = (1..=4).map(EngineBlockHash).collect();
+    r.index("m")
+        .unwrap()
+        .store(
+            &holder,
+            &StoreBlocks {
+                parent: None,
+                root_seed: Some(HashSeed::new(None, Some(tenant))),
+                engine_hashes: &hashes,
+                tokens: &tokens[..16],
+                medium: Medium::Device,
+            },
+        )
+        .unwrap();
+}
+
+#[test]
+fn bookings_release_exactly_once_on_drop() {
+    let r = router("");
+    let a = decide(&r, &RequestParts::default()).unwrap();
+    let b = decide(&r, &RequestParts::default()).unwrap();
+    assert_eq!(r.total_inflight(), 2);
+    assert_ne!(a.pick, b.pick, "load spreads");
+    drop(a);
+    assert_eq!(r.total_inflight(), 1);
+    drop(b);
+    assert_eq!(r.total_inflight(), 0);
+}
+
+#[test]
+fn routes_to_the_prefix_holder_only_under_the_same_salt() {
+    let r = router("");
+    let holder: WorkerId = "10.0.0.2:8000".parse().unwrap();
+    let tokens: Vec<u32> = (0..16).collect();
+    store(&r, holder, &tokens, "tenant-a");
+    let b = body("m", &tokens);
+    for _ in 0..3 {
+        let d = decide(&r, &parts(&[b"tenant-a"], &b)).unwrap();
+        assert_eq!(d.pick, holder);
+        assert_eq!(d.cached_blocks, 4.0);
+        assert_eq!(d.booking.as_ref().map(Booking::worker), Some(&holder));
+    }
+    let d = decide(&r, &parts(&[b"tenant-b"], &b)).unwrap();
+    assert_eq!(d.cached_blocks, 0.0, "another tenant gets no credit");
+}
+
+#[test]
+fn subset_saturation_and_unknown_models() {
+    let r = router("routing: {max_inflight_per_worker: 1, unknown_model: reject}");
+    let only2: SocketAddr = "10.0.0.2:8000".parse().unwrap();
+    let b = body("m", &[1, 2, 3]);
+    let subset = [only2];
+    let req = RequestParts {
+        subset: Some(&subset),
+        ..parts(&[], &b)
+    };
+    let d = decide(&r, &req).unwrap();
+    assert_eq!(d.pick.endpoint, only2);
+    let err = decide(&r, &req).unwrap_err();
+    assert!(matches!(err, Reject::Saturated { .. }), "{err:?}");
+    assert_eq!((err.status(), err.outcome()), (429, "rejected_saturated"));
+    let empty = RequestParts {
+        subset: Some(&[]),
+        ..parts(&[], &b)
+    };
+    let err = decide(&r, &empty).unwrap_err();
+    assert_eq!((err.status(), err.reason()), (503, "rejected-no-endpoints"));
+    let nope = body("nope", &[1]);
+    let err = decide(&r, &parts(&[], &nope)).unwrap_err();
+    assert_eq!((err.status(), err.reason()), (404, "model-not-found"));
+    assert_eq!(err.model_label(), "nope");
+    let lora = body("ad", &[1]);
+    let d = decide(&r, &parts(&[], &lora)).unwrap();
+    assert_eq!(d.request.model.lora.as_deref(), Some("ad"));
+    assert_eq!(d.request.model.base.as_deref(), Some("m"));
+}
+
+#[test]
+fn explain_is_the_same_decision_without_a_booking() {
+    let r = router("");
+    let holder: WorkerId = "10.0.0.1:8000".parse().unwrap();
+    let tokens: Vec<u32> = (0..18).collect();
+    store(&r, holder, &tokens, "tenant-a");
+    let b = body("m", &tokens);
+    let e = explain(&r, &parts(&[b"tenant-a"], &b)).unwrap();
+    assert!(e.booking.is_none());
+    assert_eq!(r.total_inflight(), 0, "explaining books nothing");
+    let d = decide(&r, &parts(&[b"tenant-a"], &b)).unwrap();
+    assert_eq!(e.pick, d.pick);
+    assert_eq!(e.request.tokens, d.request.tokens);
+    assert_eq!(e.request.hashes, d.request.hashes);
+    assert_eq!(
+        e.request.hashes.sequence.len(),
+        4,
+        "the partial block is not hashed"
+    );
+    assert_eq!(
+        e.request.salt.as_ref().map(Salt::fingerprint),
+        d.request.salt.as_ref().map(Salt::fingerprint)
+    );
+    // The loser is explained with the scoring terms the pick used.
+    let loser = e.candidates.iter().find(|c| c.worker != holder).unwrap();
+    let Standing::Lost(s, Loss::HigherCost(by)) = loser.standing else {
+        panic!("{:?}", loser.standing)
+    };
+    let Standing::Picked(p) = e
+        .candidates
+        .iter()
+        .find(|c| c.worker == holder)
+        .unwrap()
+        .standing
+    else {
+        panic!()
+    };
+    assert!((s.cost - p.cost - by).abs() < 1e-12);
+    assert!((s.terms.prefix + s.terms.queue + s.terms.kv_usage - s.cost).abs() < 1e-12);
+    assert_eq!((p.candidate.device_blocks, p.cached_blocks), (4, 4.0));
+}
+
+#[test]
+fn conformance_order_is_a_candidate_constraint() {
+    let r = router("");
+    let order: Vec<IpAddr> = vec!["10.0.0.9".parse().unwrap(), "10.0.0.2".parse().unwrap()];
+    let req = RequestParts {
+        conformance: Some(&order),
+        ..RequestParts::default()
+    };
+    for _ in 0..3 {
+        let d = explain(&r, &req).unwrap();
+        assert_eq!(d.pick.to_string(), "10.0.0.2:8000");
+        let other = d.candidates.iter().find(|c| c.worker != d.pick).unwrap();
+        assert_eq!(
+            other.standing,
+            Standing::Excluded(Exclusion::NotInConformanceList)
+        );
+    }
+    let both: Vec<IpAddr> = vec!["10.0.0.2".parse().unwrap(), "10.0.0.1".parse().unwrap()];
+    let d = explain(
+        &r,
+        &RequestParts {
+            conformance: Some(&both),
+            ..RequestParts::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(d.pick.to_string(), "10.0.0.2:8000");
+    let other = d.candidates.iter().find(|c| c.worker != d.pick).unwrap();
+    assert_eq!(
+        other.standing,
+        Standing::Excluded(Exclusion::ConformanceOrder("10.0.0.2".parse().unwrap()))
+    );
+    let none: Vec<IpAddr> = vec!["10.9.9.9".parse().unwrap()];
+    let err = explain(
+        &r,
+        &RequestParts {
+            conformance: Some(&none),
+            ..RequestParts::default()
+        },
+    )
+    .unwrap_err();
+    assert_eq!(err.to_string(), "no ready endpoint in the requested subset");
+}
+
+#[test]
+fn refusals_in_pipeline_order() {
+    let c = Config::from_yaml(
+        "models: [{name: m, block_size: 4, max_prompt_tokens: 3}]
+workers: [{endpoint: '10.0.0.1:8000', model: m}]",
+    )
+    .unwrap();
+    let r = Router::new(&c, Arc::new(Metrics::new()));
+    type Case<'a> = (&'a [u8], &'a [&'a [u8]], &'a str);
+    let cases: Vec<Case> = vec![
+        (b"not json", &[], "rejected_bad_request"),
+        (
+            br#"{"model":"m","prompt":[1]}"#,
+            &[b"a", b"b"],
+            "rejected_bad_salt",
+        ),
+        (
+            br#"{"model":"m","prompt":[1,2,3,4]}"#,
+            &[],
+            "rejected_prompt_too_long",
+        ),
+    ];
+    for (b, tenant, outcome) in cases {
+        let err = understand(&r, &parts(tenant, b)).unwrap_err();
+        assert_eq!(err.outcome(), outcome, "{err}");
+        assert_eq!(err.status(), 400);
+    }
+}
+
+#[test]
+fn debug_output_never_shows_the_salt() {
+    let r = router("");
+    let b = br#"{"model":"m","prompt":[1,2,3,4],"cache_salt":"secret-body"}"#;
+    let d = decide(&r, &parts(&[b"secret-tenant"], b)).unwrap();
+    let text = format!("{d:?} {:?}", parts(&[b"secret-tenant"], b));
+    assert!(!text.contains("secret"), "{text}");
+    let salt = d.request.salt.as_ref().unwrap();
+    assert!(text.contains(&salt.fingerprint().to_string()), "{text}");
+    assert_eq!(salt.source(), SaltSource::Header);
+    let forwarded = String::from_utf8(d.request.rewritten_body.clone().unwrap()).unwrap();
+    assert!(forwarded.contains("kvepp:secret-tenant") && !forwarded.contains("secret-body"));
+}

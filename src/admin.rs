@@ -26,8 +26,9 @@ use serde_json::{Value, json};
 use crate::events::Feeds;
 use crate::hashing::{LocalBlockHash, SequenceHash, sequence_hashes};
 use crate::index::Overlap;
+use crate::namespace::seed_for;
 use crate::router::Router;
-use crate::salt::{SaltField, SaltInputs, TENANT_HEADER, resolve, seed_for};
+use crate::salt::{SaltField, SaltInputs, TENANT_HEADER, resolve};
 
 /// Largest request body accepted.
 pub const MAX_BODY: usize = 8 << 20;

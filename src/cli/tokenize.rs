@@ -8,10 +8,10 @@ use std::path::PathBuf;
 use kv_epp::config::Config;
 use kv_epp::forward::rewrite_salt;
 use kv_epp::request::{self, Prompt};
-use kv_epp_core::engine_salt;
 use kv_epp_core::fingerprint::FingerprintKey;
 use kv_epp_core::hashing::prompt_hashes;
-use kv_epp_core::salt::{SaltInputs, resolve, seed_for};
+use kv_epp_core::namespace::{Namespace, seed_for};
+use kv_epp_core::salt::{SaltInputs, resolve};
 use kv_epp_tokenize::{Endpoint, TokenizeError};
 
 /// Flags of `kv-epp tokenize`.
@@ -79,7 +79,7 @@ pub(crate) fn run(args: &TokenizeArgs, mut input: impl Read) -> Result<String, S
         base.block_size,
         seed_for(salt.as_ref().map(|s| &s.salt), lora),
     );
-    let forwarded_salt = salt.as_ref().map(|s| engine_salt::forwarded(&s.salt));
+    let forwarded_salt = salt.as_ref().map(|s| Namespace::of(&s.salt).forwarded());
     let forwarded = rewrite_salt(&body, forwarded_salt.as_deref()).unwrap_or_else(|| body.clone());
     let out = serde_json::json!({
         "model": model,

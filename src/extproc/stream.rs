@@ -444,7 +444,7 @@ impl StreamHandler {
         // its field and drop client salt fields; otherwise the body goes through untouched.
         let forwarded_salt = salt
             .as_ref()
-            .map(|s| crate::engine_salt::forwarded(&s.salt));
+            .map(|s| crate::namespace::Namespace::of(&s.salt).forwarded());
         let rewritten = match (&parsed, body.as_deref()) {
             (Some(_), Some(bytes)) => rewrite_salt(bytes, forwarded_salt.as_deref()),
             _ => None,

@@ -125,7 +125,13 @@ impl Replica {
     fn spawn(name: &str, p: &Ports, body: &str, peers: &[u16]) -> Replica {
         let d = dir();
         let token = d.join("token");
-        std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
+        // Every replica of this process shares the file, and a replica starting meanwhile may be
+        // reading it: replace it whole (rename is atomic) so no reader sees it truncated.
+        static SPAWNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = SPAWNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = d.join(format!("token.{n}.tmp"));
+        std::fs::write(&tmp, format!("{TOKEN}\n")).unwrap();
+        std::fs::rename(&tmp, &token).unwrap();
         let peer_list: Vec<String> = peers.iter().map(|p| format!("'127.0.0.1:{p}'")).collect();
         let yaml = format!(
             "server: {{bind_address: 127.0.0.1, grpc_port: {}, grpc_health_port: {}, metrics_port: {}, admin_port: {}}}\n\

@@ -2,7 +2,7 @@
 //! removed, everything else byte-identical.
 //!
 //! The engine must cache under the same namespace the router hashed with, so the forwarded body
-//! carries `"cache_salt": "<forwarded form>"` (see `engine_salt`) whenever a salt was resolved,
+//! carries `"cache_salt": "<forwarded form>"` (see `namespace`) whenever a salt was resolved,
 //! and never a client-sent `cache_salt` or `nvext.cache_salt` (an empty or non-string client salt
 //! would make vLLM answer 400; a salt from an untrusted source must not reach the engine). When
 //! the body holds no salt field and no salt was resolved, it is forwarded unchanged.

@@ -21,5 +21,5 @@ pub mod router;
 pub mod server;
 
 // The layers below the product, named at the root so its modules read `crate::index`, etc.
-use kv_epp_core::{engine_salt, fingerprint, hashing, index, salt, scoring, worker};
+use kv_epp_core::{engine_event, fingerprint, hashing, index, namespace, salt, scoring, worker};
 use kv_epp_tokenize as tokenize;

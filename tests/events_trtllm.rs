@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use common::{eventually, http};
 use kv_epp::config::Config;
 use kv_epp::server::Server;
-use kv_epp_core::engine_salt;
+use kv_epp_core::namespace::Namespace;
 use kv_epp_core::salt::{CacheSalt, SaltSource};
 use kv_epp_core::worker::WorkerId;
 use serde_json::{Value, json};
@@ -46,11 +46,12 @@ fn block(h: u64, toks: &[u32], salt: &str) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn polls_apply_once_and_survive_garbage() {
-    let salt = engine_salt::forwarded(
+    let salt = Namespace::of(
         &CacheSalt::new("tenant-a", SaltSource::Body)
             .unwrap()
             .unwrap(),
-    );
+    )
+    .forwarded();
     let stored = json!([{"event_id": 0, "data": {"type": "created", "num_blocks_per_cache_level": [100, 0]}},
         {"event_id": 1, "data": {"type": "stored", "parent_hash": null, "blocks": [block(11, &[1, 2, 3, 4], &salt), block(12, &[5, 6, 7, 8], &salt)]}}]);
     let queue: Queue = Arc::new(Mutex::new(vec![

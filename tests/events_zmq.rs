@@ -11,7 +11,7 @@ use bytes::Bytes;
 use common::{eventually, free_port, http};
 use kv_epp::config::Config;
 use kv_epp::server::Server;
-use kv_epp_core::engine_salt;
+use kv_epp_core::namespace::Namespace;
 use kv_epp_core::salt::{CacheSalt, SaltSource};
 use rmpv::Value;
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
@@ -229,7 +229,7 @@ async fn overlap(server: &Server, tokens: &[u32], salt: Option<&str>) -> u64 {
 }
 
 fn fwd(salt: &str) -> String {
-    engine_salt::forwarded(&CacheSalt::new(salt, SaltSource::Body).unwrap().unwrap())
+    Namespace::of(&CacheSalt::new(salt, SaltSource::Body).unwrap().unwrap()).forwarded()
 }
 
 async fn wait_subscribed(server: &Server) {

@@ -28,13 +28,13 @@ use rand::rngs::SmallRng;
 
 pub use reject::{ROUTED, Reject, TOKENIZE_FAILED};
 
-use crate::engine_salt;
 use crate::fingerprint::Fingerprint;
 use crate::forward::rewrite_salt;
 use crate::hashing::{LocalBlockHash, SequenceHash, prompt_hashes};
+use crate::namespace::{Namespace, seed_for};
 use crate::request::{self, Prompt};
 use crate::router::{Booking, Router, WorkerRuntime};
-use crate::salt::{CacheSalt, SaltInputs, SaltSource, resolve, seed_for};
+use crate::salt::{CacheSalt, SaltInputs, SaltSource, resolve};
 use crate::scoring::{Candidate, EngineLoad, PickError, Scored, ScoringConfig, pick, score};
 use crate::tokenize::TokenizeError;
 use crate::worker::WorkerId;
@@ -403,7 +403,7 @@ pub fn understand(router: &Router, parts: &RequestParts<'_>) -> Result<Understoo
     // field and client salt fields go; otherwise the body goes through untouched.
     let rewritten_body = match (&parsed, parts.body) {
         (Some(_), Some(bytes)) => {
-            let forwarded = salt.as_ref().map(|s| engine_salt::forwarded(&s.value));
+            let forwarded = salt.as_ref().map(|s| Namespace::of(&s.value).forwarded());
             rewrite_salt(bytes, forwarded.as_deref())
         }
         _ => None,

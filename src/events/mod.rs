@@ -2,13 +2,13 @@
 //! one feed per worker (endpoint and data-parallel rank), started and stopped as workers come and
 //! go.
 //!
-//! - `vllm.rs`: decoding vLLM's msgpack batches (both layouts, both hash forms).
-//! - `apply.rs`: the namespace rule and the index updates.
+//! - `vllm.rs`: decoding vLLM's msgpack batches (both layouts, both hash forms) into the
+//!   engine-neutral [`EngineEvent`](crate::engine_event::EngineEvent).
 //! - `subscriber.rs`: the ZeroMQ SUB/DEALER feed with sequence tracking and replay.
-//! - `trtllm.rs`: TensorRT-LLM's destructive HTTP drain, polled.
+//! - `trtllm.rs`: TensorRT-LLM's destructive HTTP drain, polled, into the same form.
+//!
+//! Every event reaches the index through the core's one writer, `engine_event::apply`.
 
-pub mod apply;
-pub mod normalized;
 pub mod subscriber;
 pub mod trtllm;
 pub mod vllm;
@@ -19,9 +19,9 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use tokio::task::JoinHandle;
 
+use crate::engine_event::EventCounters;
 use crate::index::KvIndex;
 use crate::worker::WorkerId;
-use apply::ApplyCounters;
 use subscriber::{Feed, FeedEndpoints, FeedStatus};
 
 /// One running feed and its task.
@@ -63,12 +63,12 @@ pub struct Feeds {
     resume: Mutex<HashMap<WorkerId, u64>>,
     /// Single-reader sources are polled by their owner replica, which starts them itself.
     owned_elsewhere: std::sync::atomic::AtomicBool,
-    counters: Arc<ApplyCounters>,
+    counters: Arc<EventCounters>,
 }
 
 impl Feeds {
     /// Event counters shared by every feed.
-    pub fn counters(&self) -> &Arc<ApplyCounters> {
+    pub fn counters(&self) -> &Arc<EventCounters> {
         &self.counters
     }
 
@@ -175,7 +175,10 @@ impl Feeds {
                 worker,
                 block_size,
                 interval,
-                Arc::new(trtllm::LocalSink(index)),
+                Arc::new(trtllm::LocalSink {
+                    index,
+                    counters: self.counters.clone(),
+                }),
             );
         }
     }

@@ -16,8 +16,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
-use super::apply::{ApplyCounters, apply};
-use super::vllm::decode_batch;
+use super::vllm::{Neutral, decode_batch};
+use crate::engine_event::{self, ApplyError, EventCounters};
 use crate::index::KvIndex;
 use crate::worker::WorkerId;
 
@@ -100,7 +100,7 @@ pub struct Feed {
     /// Where it publishes.
     pub endpoints: FeedEndpoints,
     /// Shared counters of the model's events.
-    pub counters: Arc<ApplyCounters>,
+    pub counters: Arc<EventCounters>,
     /// This feed's status.
     pub status: Arc<FeedStatus>,
     /// Held while a batch is applied with its sequence, or while the index state is dropped,
@@ -140,15 +140,36 @@ impl Feed {
             self.status.bad_payloads.fetch_add(1, Ordering::Relaxed);
             return;
         }
-        for ev in &batch.events {
-            match ev {
-                Ok(ev) => {
-                    if let Err(e) = apply(&self.index, &self.worker, ev, &self.counters) {
-                        tracing::debug!(worker = %self.worker, error = %e, "KV event not applied");
-                        self.counters.malformed.fetch_add(1, Ordering::Relaxed);
-                    }
+        for ev in batch.events {
+            let ev = match ev.map(super::vllm::Event::into_neutral) {
+                Ok(Neutral::Event(ev)) => ev,
+                Ok(Neutral::OtherGroup) => {
+                    self.counters.skipped_groups.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+                Ok(Neutral::Unknown) => {
+                    self.counters.unknown_types.fetch_add(1, Ordering::Relaxed);
+                    continue;
                 }
                 Err(_) => {
+                    self.counters.malformed.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+            };
+            match engine_event::apply(&self.index, &self.worker, &ev, &self.counters) {
+                Ok(()) => {}
+                Err(ApplyError::BlockSize { event, model }) => {
+                    // Counted by the writer; worth a warning: the engine and the configuration
+                    // disagree, so none of this worker's blocks can ever be credited.
+                    tracing::warn!(
+                        worker = %self.worker,
+                        event_block_size = event,
+                        model_block_size = model,
+                        "dropping KV event with a different block size"
+                    );
+                }
+                Err(ApplyError::Index(e)) => {
+                    tracing::debug!(worker = %self.worker, error = %e, "KV event not applied");
                     self.counters.malformed.fetch_add(1, Ordering::Relaxed);
                 }
             }

@@ -7,8 +7,11 @@
 //!   fewer tokens than the block size ends the event (the blocks before it are kept, and a later
 //!   removal of that hash is ignored); a block with more tokens than the block size drops the
 //!   event. `cache_level` 0 is device memory, anything else an offload tier. The salt (per block
-//!   or event-level) is decoded like vLLM's (`engine_salt::decode`); an undecodable salt or a LoRA
-//!   id (whose adapter name is not in the event) makes the namespace unknown: never credited.
+//!   or event-level) goes through the same sequence-start rule as vLLM's extra keys
+//!   (`namespace::root_seed`); an undecodable or non-string salt, or a LoRA id (whose adapter name
+//!   is not in the event), makes the namespace unknown: never credited.
+//! - Events become the engine-neutral `EngineEvent` ([`normalize`]) and reach the index through
+//!   the core's one writer, `engine_event::apply`, here or on the replica that owns the drain.
 //! - `removed` (`block_hashes`), `created` and `updated` (ignored).
 //! - Malformed events and garbage responses are dropped and counted; the poller keeps going.
 
@@ -18,12 +21,10 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use super::apply::ApplyCounters;
-use super::normalized::NormEvent;
-use crate::engine_salt;
-use crate::hashing::HashSeed;
+use crate::engine_event::{self, EngineEvent, EventCounters, TIER_DEVICE, TIER_OFFLOAD};
 use crate::httpc;
 use crate::index::{EngineBlockHash, KvIndex, Medium};
+use crate::namespace::{self, ExtraKey};
 use crate::worker::WorkerId;
 
 /// Largest drain response read.
@@ -51,17 +52,9 @@ fn hash(v: &Value) -> Option<EngineBlockHash> {
         .map(EngineBlockHash)
 }
 
-/// Applies one TensorRT-LLM event. `Err` = dropped (malformed or against the rules).
-pub fn apply_event(index: &KvIndex, worker: &WorkerId, event: &Value) -> Result<(), &'static str> {
-    match normalize(index.block_size(), event)? {
-        Some(ev) => ev.apply(index, worker).map_err(|_| "worker not registered"),
-        None => Ok(()),
-    }
-}
-
 /// One TensorRT-LLM event in kv-epp's engine-neutral form (`None`: nothing to index). `Err` =
 /// dropped (malformed or against the rules).
-pub fn normalize(block_size: usize, event: &Value) -> Result<Option<NormEvent>, &'static str> {
+pub fn normalize(block_size: usize, event: &Value) -> Result<Option<EngineEvent>, &'static str> {
     let data = event.get("data").ok_or("no data")?;
     match data.get("type").and_then(Value::as_str).ok_or("no type")? {
         "stored" => stored(block_size, data),
@@ -75,9 +68,9 @@ pub fn normalize(block_size: usize, event: &Value) -> Result<Option<NormEvent>, 
                 .collect::<Option<Vec<_>>>()
                 .ok_or("bad block hash")?;
             // TensorRT-LLM does not say which level; a removal leaves every tier.
-            Ok(Some(NormEvent::Removed {
+            Ok(Some(EngineEvent::Removed {
                 engine_hashes: hashes,
-                tiers: 0b11,
+                tiers: TIER_DEVICE | TIER_OFFLOAD,
             }))
         }
         "created" | "updated" => Ok(None),
@@ -85,7 +78,7 @@ pub fn normalize(block_size: usize, event: &Value) -> Result<Option<NormEvent>, 
     }
 }
 
-fn stored(bs: usize, data: &Value) -> Result<Option<NormEvent>, &'static str> {
+fn stored(bs: usize, data: &Value) -> Result<Option<EngineEvent>, &'static str> {
     let blocks = data
         .get("blocks")
         .and_then(Value::as_array)
@@ -135,15 +128,15 @@ fn stored(bs: usize, data: &Value) -> Result<Option<NormEvent>, &'static str> {
         return Ok(None);
     }
     let salt = salts.into_iter().next().flatten();
+    // The salt is the only extra key TensorRT-LLM publishes; a non-string one is untrusted.
     let root_seed = if lora {
         None
     } else {
         match salt {
-            None => Some(HashSeed::UNSALTED),
+            None => namespace::root_seed(None, &[]),
             Some(json) => serde_json::from_str::<String>(&json)
                 .ok()
-                .and_then(|s| engine_salt::decode(&s))
-                .map(|ns| HashSeed::new(None, Some(&ns))),
+                .and_then(|s| namespace::root_seed(None, &[ExtraKey::Str(s)])),
         }
     };
     let medium = if level.unwrap_or(0) == 0 {
@@ -151,28 +144,35 @@ fn stored(bs: usize, data: &Value) -> Result<Option<NormEvent>, &'static str> {
     } else {
         Medium::Offload
     };
-    Ok(Some(NormEvent::Stored {
+    Ok(Some(EngineEvent::Stored {
         parent,
         root_seed,
         engine_hashes: hashes,
         tokens,
         medium,
+        // Checked above block by block against the model's: full blocks only.
+        block_size: None,
     }))
 }
 
 /// Where a poller's decoded events go.
 pub trait EventSink: Send + Sync {
     /// Takes one drain's events of `worker`, in order.
-    fn deliver(&self, worker: &WorkerId, events: Vec<NormEvent>);
+    fn deliver(&self, worker: &WorkerId, events: Vec<EngineEvent>);
 }
 
 /// Applies drained events to this replica's index only (no peers).
-pub struct LocalSink(pub Arc<KvIndex>);
+pub struct LocalSink {
+    /// The worker's model index.
+    pub index: Arc<KvIndex>,
+    /// The replica's event counters.
+    pub counters: Arc<EventCounters>,
+}
 
 impl EventSink for LocalSink {
-    fn deliver(&self, worker: &WorkerId, events: Vec<NormEvent>) {
+    fn deliver(&self, worker: &WorkerId, events: Vec<EngineEvent>) {
         for ev in &events {
-            if let Err(e) = ev.apply(&self.0, worker) {
+            if let Err(e) = engine_event::apply(&self.index, worker, ev, &self.counters) {
                 tracing::debug!(%worker, error = %e, "TensorRT-LLM KV event not applied");
             }
         }
@@ -185,7 +185,7 @@ pub async fn poll(
     block_size: usize,
     sink: Arc<dyn EventSink>,
     interval: Duration,
-    counters: Arc<ApplyCounters>,
+    counters: Arc<EventCounters>,
     status: Arc<PollStatus>,
 ) {
     let mut tick = tokio::time::interval(interval);
@@ -229,8 +229,8 @@ pub async fn poll(
                     continue;
                 }
             }
+            // The writer counts what reaches the index (`counters.applied`), wherever it runs.
             status.applied.fetch_add(1, Ordering::Relaxed);
-            counters.applied.fetch_add(1, Ordering::Relaxed);
         }
         if !normalized.is_empty() {
             sink.deliver(&worker, normalized);
@@ -243,8 +243,18 @@ mod tests {
     use super::*;
     use crate::hashing::prompt_hashes;
     use crate::index::IndexLimits;
-    use crate::salt::{CacheSalt, SaltSource, seed_for};
+    use crate::namespace::{Namespace, seed_for};
+    use crate::salt::{CacheSalt, SaltSource};
     use serde_json::json;
+
+    /// Normalizes and applies one event the way a poller and its sink do. `Err` = dropped.
+    fn apply_event(idx: &KvIndex, w: &WorkerId, event: &Value) -> Result<(), &'static str> {
+        match normalize(idx.block_size(), event)? {
+            Some(ev) => engine_event::apply(idx, w, &ev, &EventCounters::default())
+                .map_err(|_| "not applied"),
+            None => Ok(()),
+        }
+    }
 
     fn setup() -> (KvIndex, WorkerId) {
         let idx = KvIndex::new(2, IndexLimits::default());
@@ -270,7 +280,8 @@ mod tests {
     #[test]
     fn stored_removed_and_salts() {
         let (idx, w) = setup();
-        let fwd = engine_salt::forwarded(&CacheSalt::new("t", SaltSource::Body).unwrap().unwrap());
+        let fwd =
+            Namespace::of(&CacheSalt::new("t", SaltSource::Body).unwrap().unwrap()).forwarded();
         let ev = json!({"event_id": 1, "data": {"type": "stored", "parent_hash": null, "blocks": [block(u64::MAX, &[1, 2], Some(&fwd)), block(5, &[3, 4], Some(&fwd))]}});
         apply_event(&idx, &w, &ev).unwrap();
         assert_eq!(overlap(&idx, &[1, 2, 3, 4], Some("t")), 2);
@@ -327,7 +338,7 @@ mod tests {
             .unwrap()
             .unwrap();
         let (idx, w) = setup();
-        let ev = json!({"data": {"type": "stored", "cache_salt": engine_salt::forwarded(&s), "blocks": [block(1, &[4, 4], None)]}});
+        let ev = json!({"data": {"type": "stored", "cache_salt": Namespace::of(&s).forwarded(), "blocks": [block(1, &[4, 4], None)]}});
         apply_event(&idx, &w, &ev).unwrap();
         let seqs = prompt_hashes(&[4, 4], 2, seed_for(Some(&s), None)).1;
         assert_eq!(

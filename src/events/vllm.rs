@@ -4,22 +4,21 @@
 //! fields in declaration order, possibly shorter or longer than we know) or a map with `"type"`
 //! (current, defaults omitted). Unknown fields and unknown event types are ignored; anything
 //! malformed in an event drops that event (counted by the caller), never the subscriber.
+//!
+//! [`Event::into_neutral`] turns a decoded event into kv-epp's engine-neutral
+//! [`EngineEvent`]: only KV-cache group 0 (full attention) is indexed, other groups are
+//! reported for counting; a sequence start's namespace is decided here, from its first block's
+//! extra keys, by [`namespace::root_seed`]; a continuation inherits its parent's inside the
+//! index.
 
 use rmpv::Value;
 
-use crate::index::EngineBlockHash;
+use crate::engine_event::EngineEvent;
+use crate::index::{EngineBlockHash, Medium};
+use crate::namespace::{self, ExtraKey};
 
 /// Deepest msgpack nesting accepted (real batches nest 4 levels).
 const MAX_DEPTH: usize = 16;
-
-/// One extra key of a block, as published (untagged).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ExtraKey {
-    /// A string: a LoRA name or a cache salt.
-    Str(String),
-    /// Anything else (a multimodal `[id, offset]` pair, a prompt-embedding digest, ...).
-    Other,
-}
 
 /// A decoded `BlockStored`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -60,6 +59,58 @@ pub enum Event {
     AllCleared,
     /// An event type we do not know (ignored).
     Unknown,
+}
+
+/// What a decoded vLLM event becomes for the index.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Neutral {
+    /// An event to apply.
+    Event(EngineEvent),
+    /// An event of a KV-cache group other than 0 (hybrid models): not indexed, counted.
+    OtherGroup,
+    /// An event type kv-epp does not know: ignored, counted.
+    Unknown,
+}
+
+impl Event {
+    /// The engine-neutral form of this event, with the namespace rule run on a sequence start.
+    pub fn into_neutral(self) -> Neutral {
+        match self {
+            Event::Stored(st) => {
+                if st.group_idx != 0 {
+                    return Neutral::OtherGroup;
+                }
+                let root_seed = if st.parent.is_none() {
+                    namespace::root_seed(st.lora_name.as_deref(), &st.first_extra_keys)
+                } else {
+                    None // inherited from the parent inside the index
+                };
+                Neutral::Event(EngineEvent::Stored {
+                    parent: st.parent,
+                    root_seed,
+                    engine_hashes: st.block_hashes,
+                    tokens: st.token_ids,
+                    medium: Medium::from_engine(st.medium.as_deref()),
+                    block_size: Some(st.block_size),
+                })
+            }
+            Event::Removed {
+                block_hashes,
+                medium,
+                group_idx,
+            } => {
+                if group_idx != 0 {
+                    return Neutral::OtherGroup;
+                }
+                Neutral::Event(EngineEvent::Removed {
+                    engine_hashes: block_hashes,
+                    tiers: crate::engine_event::tier_bit(Medium::from_engine(medium.as_deref())),
+                })
+            }
+            Event::AllCleared => Neutral::Event(EngineEvent::Cleared),
+            Event::Unknown => Neutral::Unknown,
+        }
+    }
 }
 
 /// A decoded batch: every event, each decoded or rejected on its own.
@@ -463,5 +514,71 @@ mod tests {
             deep = Value::Array(vec![deep]);
         }
         assert!(decode_batch(&enc(&deep)).is_err());
+    }
+
+    #[test]
+    fn neutral_form_runs_the_namespace_rule_and_skips_other_groups() {
+        use crate::hashing::HashSeed;
+        let st = |parent: Option<u64>, keys: Vec<ExtraKey>, group_idx| {
+            Event::Stored(Stored {
+                block_hashes: vec![EngineBlockHash(2)],
+                parent: parent.map(EngineBlockHash),
+                token_ids: vec![1, 2, 3, 4],
+                block_size: 4,
+                lora_name: None,
+                medium: Some("CPU".into()),
+                first_extra_keys: keys,
+                group_idx,
+            })
+        };
+        let seed_of = |ev: Event| match ev.into_neutral() {
+            Neutral::Event(EngineEvent::Stored {
+                root_seed,
+                medium,
+                block_size,
+                ..
+            }) => {
+                assert_eq!((medium, block_size), (Medium::Offload, Some(4)));
+                root_seed
+            }
+            other => panic!("{other:?}"),
+        };
+        let tagged = ExtraKey::Str("kvepp:t".into());
+        assert_eq!(
+            seed_of(st(None, vec![tagged.clone()], 0)),
+            Some(HashSeed::new(None, Some("t")))
+        );
+        assert_eq!(seed_of(st(None, vec![ExtraKey::Str("t".into())], 0)), None);
+        // A continuation carries no namespace of its own, whatever its keys say.
+        assert_eq!(seed_of(st(Some(1), vec![tagged.clone()], 0)), None);
+        assert_eq!(
+            st(None, vec![tagged], 1).into_neutral(),
+            Neutral::OtherGroup
+        );
+        let rm = |medium: Option<&str>, group_idx| Event::Removed {
+            block_hashes: vec![EngineBlockHash(2)],
+            medium: medium.map(str::to_owned),
+            group_idx,
+        };
+        assert_eq!(
+            rm(Some("GPU"), 0).into_neutral(),
+            Neutral::Event(EngineEvent::Removed {
+                engine_hashes: vec![EngineBlockHash(2)],
+                tiers: crate::engine_event::TIER_DEVICE
+            })
+        );
+        assert_eq!(
+            rm(Some("CPU"), 0).into_neutral(),
+            Neutral::Event(EngineEvent::Removed {
+                engine_hashes: vec![EngineBlockHash(2)],
+                tiers: crate::engine_event::TIER_OFFLOAD
+            })
+        );
+        assert_eq!(rm(None, 2).into_neutral(), Neutral::OtherGroup);
+        assert_eq!(Event::Unknown.into_neutral(), Neutral::Unknown);
+        assert_eq!(
+            Event::AllCleared.into_neutral(),
+            Neutral::Event(EngineEvent::Cleared)
+        );
     }
 }

@@ -130,6 +130,7 @@ impl ReplicaState {
         let hub = Arc::new(RelayHub::new(
             instance,
             router.clone(),
+            feeds.counters().clone(),
             config.relay_log_batches,
             config.relay_log_bytes,
             config.max_message_bytes / 2,

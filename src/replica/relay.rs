@@ -37,7 +37,7 @@ use tokio::sync::watch;
 use super::ReplicaState;
 use super::members::authed;
 use super::pb;
-use crate::events::normalized::NormEvent;
+use crate::engine_event::{self, EngineEvent, EventCounters};
 use crate::events::trtllm::EventSink;
 use crate::hashing::HashSeed;
 use crate::index::{EngineBlockHash, Medium};
@@ -113,6 +113,8 @@ pub struct RelayHub {
     tail: watch::Sender<u64>,
     /// Counters.
     pub counters: RelayCounters,
+    /// The replica's engine-event counters (shared with its feeds), counted by the writer.
+    events: Arc<EventCounters>,
 }
 
 /// Where a relayed batch ended up.
@@ -128,10 +130,11 @@ pub enum Applied {
 
 impl RelayHub {
     /// An empty hub keeping up to `cap` batches and `cap_bytes` bytes of its own, with batches of
-    /// at most `max_batch_bytes` encoded.
+    /// at most `max_batch_bytes` encoded. Events it applies are counted in `events`.
     pub fn new(
         instance: u64,
         router: Arc<Router>,
+        events: Arc<EventCounters>,
         cap: usize,
         cap_bytes: usize,
         max_batch_bytes: usize,
@@ -154,6 +157,7 @@ impl RelayHub {
             }),
             tail: watch::channel(0).0,
             counters,
+            events,
         }
     }
 
@@ -189,14 +193,14 @@ impl RelayHub {
 
     /// Applies one drain of a source this replica owns and appends it to the log (split into
     /// batches that fit a peer message).
-    pub fn originate(&self, worker: &WorkerId, events: Vec<NormEvent>) {
+    pub fn originate(&self, worker: &WorkerId, events: Vec<EngineEvent>) {
         let Some((model, index)) = self.router.worker_index(worker) else {
             self.counters.unplaced.inc();
             return;
         };
         let mut st = self.state.lock();
         for ev in &events {
-            if let Err(e) = ev.apply(&index, worker) {
+            if let Err(e) = engine_event::apply(&index, worker, ev, &self.events) {
                 tracing::debug!(%worker, error = %e, "owned KV event not applied");
             }
         }
@@ -297,7 +301,8 @@ impl RelayHub {
                 for ev in &b.events {
                     match from_pb(ev) {
                         Some(ev) => {
-                            if let Err(e) = ev.apply(&index, &worker) {
+                            if let Err(e) = engine_event::apply(&index, &worker, &ev, &self.events)
+                            {
                                 tracing::debug!(%worker, error = %e, "relayed KV event not applied");
                             }
                         }
@@ -344,7 +349,7 @@ impl RelayHub {
 pub struct HubSink(pub Arc<RelayHub>);
 
 impl EventSink for HubSink {
-    fn deliver(&self, worker: &WorkerId, events: Vec<NormEvent>) {
+    fn deliver(&self, worker: &WorkerId, events: Vec<EngineEvent>) {
         self.0.originate(worker, events);
     }
 }
@@ -352,7 +357,7 @@ impl EventSink for HubSink {
 /// Splits a drain into batches of at most about `max` encoded bytes. A stored or removed event
 /// too large on its own is cut into runs of blocks; a stored run after the first continues from
 /// the previous run's last block (same namespace, by inheritance).
-fn split(events: Vec<NormEvent>, max: usize) -> Vec<Vec<pb::RelayEvent>> {
+fn split(events: Vec<EngineEvent>, max: usize) -> Vec<Vec<pb::RelayEvent>> {
     let mut batches = Vec::new();
     let mut cur = Vec::new();
     let mut cur_bytes = 0;
@@ -374,18 +379,19 @@ fn split(events: Vec<NormEvent>, max: usize) -> Vec<Vec<pb::RelayEvent>> {
     batches
 }
 
-fn split_event(ev: NormEvent, max: usize) -> Vec<NormEvent> {
+fn split_event(ev: EngineEvent, max: usize) -> Vec<EngineEvent> {
     let size = to_pb(&ev).encoded_len();
     if size <= max {
         return vec![ev];
     }
     match ev {
-        NormEvent::Stored {
+        EngineEvent::Stored {
             parent,
             root_seed,
             engine_hashes,
             tokens,
             medium,
+            block_size,
         } => {
             let n = engine_hashes.len().max(1);
             let per_block = size.div_ceil(n);
@@ -395,40 +401,43 @@ fn split_event(ev: NormEvent, max: usize) -> Vec<NormEvent> {
             let mut prev = parent;
             for (i, hashes) in engine_hashes.chunks(run).enumerate() {
                 let start = i * run * bs;
-                out.push(NormEvent::Stored {
+                out.push(EngineEvent::Stored {
                     parent: prev,
                     root_seed: if i == 0 { root_seed } else { None },
                     engine_hashes: hashes.to_vec(),
                     tokens: tokens[start..start + hashes.len() * bs].to_vec(),
                     medium,
+                    block_size,
                 });
                 prev = hashes.last().copied();
             }
             out
         }
-        NormEvent::Removed {
+        EngineEvent::Removed {
             engine_hashes,
             tiers,
         } => engine_hashes
             .chunks((max / 10).max(1))
-            .map(|h| NormEvent::Removed {
+            .map(|h| EngineEvent::Removed {
                 engine_hashes: h.to_vec(),
                 tiers,
             })
             .collect(),
-        NormEvent::Cleared => vec![NormEvent::Cleared],
+        EngineEvent::Cleared => vec![EngineEvent::Cleared],
     }
 }
 
-fn to_pb(ev: &NormEvent) -> pb::RelayEvent {
+fn to_pb(ev: &EngineEvent) -> pb::RelayEvent {
     use pb::relay_event::Kind;
     let kind = match ev {
-        NormEvent::Stored {
+        EngineEvent::Stored {
             parent,
             root_seed,
             engine_hashes,
             tokens,
             medium,
+            // The owner checked it before relaying; peers share the model's configuration.
+            block_size: _,
         } => Kind::Stored(pb::StoredEvent {
             parent: parent.map(|p| p.0),
             root_seed: root_seed.map(|s| s.0),
@@ -436,22 +445,22 @@ fn to_pb(ev: &NormEvent) -> pb::RelayEvent {
             tokens: tokens.clone(),
             offload: *medium == Medium::Offload,
         }),
-        NormEvent::Removed {
+        EngineEvent::Removed {
             engine_hashes,
             tiers,
         } => Kind::Removed(pb::RemovedEvent {
             engine_hashes: engine_hashes.iter().map(|h| h.0).collect(),
             tiers: u32::from(*tiers),
         }),
-        NormEvent::Cleared => Kind::Cleared(pb::ClearedEvent {}),
+        EngineEvent::Cleared => Kind::Cleared(pb::ClearedEvent {}),
     };
     pb::RelayEvent { kind: Some(kind) }
 }
 
-fn from_pb(ev: &pb::RelayEvent) -> Option<NormEvent> {
+fn from_pb(ev: &pb::RelayEvent) -> Option<EngineEvent> {
     use pb::relay_event::Kind;
     Some(match ev.kind.as_ref()? {
-        Kind::Stored(s) => NormEvent::Stored {
+        Kind::Stored(s) => EngineEvent::Stored {
             parent: s.parent.map(EngineBlockHash),
             root_seed: s.root_seed.map(HashSeed),
             engine_hashes: s
@@ -466,8 +475,9 @@ fn from_pb(ev: &pb::RelayEvent) -> Option<NormEvent> {
             } else {
                 Medium::Device
             },
+            block_size: None,
         },
-        Kind::Removed(r) => NormEvent::Removed {
+        Kind::Removed(r) => EngineEvent::Removed {
             engine_hashes: r
                 .engine_hashes
                 .iter()
@@ -476,7 +486,7 @@ fn from_pb(ev: &pb::RelayEvent) -> Option<NormEvent> {
                 .collect(),
             tiers: (r.tiers & 0b11) as u8,
         },
-        Kind::Cleared(_) => NormEvent::Cleared,
+        Kind::Cleared(_) => EngineEvent::Cleared,
     })
 }
 
@@ -643,14 +653,15 @@ mod tests {
     fn oversized_drains_split_into_batches_that_apply_alike() {
         let bs = 4;
         let n = 500u64;
-        let ev = NormEvent::Stored {
+        let ev = EngineEvent::Stored {
             parent: None,
             root_seed: Some(HashSeed::new(None, Some("tenant"))),
             engine_hashes: (0..n).map(EngineBlockHash).collect(),
             tokens: (0..n as u32 * bs).collect(),
             medium: Medium::Device,
+            block_size: Some(bs as usize),
         };
-        let rm = NormEvent::Removed {
+        let rm = EngineEvent::Removed {
             engine_hashes: (0..n).step_by(7).map(EngineBlockHash).collect(),
             tiers: 0b01,
         };
@@ -666,11 +677,12 @@ mod tests {
         let pieces = KvIndex::new(bs as usize, IndexLimits::default());
         whole.add_worker(w);
         pieces.add_worker(w);
-        ev.apply(&whole, &w).unwrap();
-        rm.apply(&whole, &w).unwrap();
+        let c = EventCounters::default();
+        engine_event::apply(&whole, &w, &ev, &c).unwrap();
+        engine_event::apply(&whole, &w, &rm, &c).unwrap();
         for b in &batches {
             for e in b {
-                from_pb(e).unwrap().apply(&pieces, &w).unwrap();
+                engine_event::apply(&pieces, &w, &from_pb(e).unwrap(), &c).unwrap();
             }
         }
         assert_eq!(whole.digest(), pieces.digest());

@@ -3,7 +3,7 @@
 
 use std::net::SocketAddr;
 
-use kv_epp_core::engine_salt;
+use kv_epp_core::namespace::Namespace;
 use kv_epp_core::salt::{CacheSalt, SaltSource};
 use kv_epp_sim::events::{EventLayout, HashForm};
 use kv_epp_sim::prefix_cache::CacheRequest;
@@ -65,7 +65,7 @@ pub async fn sim_worker(s: SimSpec) -> SimWorker {
 
 /// A tenant's salt as kv-epp forwards it to the engine.
 pub fn fwd(tenant: &str) -> String {
-    engine_salt::forwarded(&CacheSalt::new(tenant, SaltSource::Body).unwrap().unwrap())
+    Namespace::of(&CacheSalt::new(tenant, SaltSource::Body).unwrap().unwrap()).forwarded()
 }
 
 /// Sends a completion straight to the worker, salted as kv-epp would forward it.

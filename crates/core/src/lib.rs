@@ -2,8 +2,11 @@
 //! with no I/O.
 //!
 //! - [`hashing`]: the block-hash contract (XXH3-64, Dynamo parity).
-//! - [`salt`] and [`engine_salt`]: which tenant namespace a request belongs to, and how that
-//!   namespace travels to the engine and back.
+//! - [`salt`]: which tenant salt a request carries (sources, precedence, policy).
+//! - [`namespace`]: the namespace a salt hashes under, its hash seed, how it travels to the
+//!   engine and how it is read back from engine events.
+//! - [`engine_event`]: engine events in one engine-neutral form, and the one writer of them into
+//!   the index.
 //! - [`fingerprint`]: how a secret appears in logs and metrics.
 //! - [`index`]: which workers hold which prefixes.
 //! - [`scoring`]: from overlap and load to a pick.
@@ -12,10 +15,11 @@
 //! Deliberately absent, and kept out by this crate's dependencies: async runtimes, sockets, JSON,
 //! configuration files, the environment. Costs are per call and documented where they matter.
 
-pub mod engine_salt;
+pub mod engine_event;
 pub mod fingerprint;
 pub mod hashing;
 pub mod index;
+pub mod namespace;
 pub mod salt;
 pub mod scoring;
 pub mod worker;

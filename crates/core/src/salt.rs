@@ -1,4 +1,6 @@
-//! Cache salt resolution: the one place that decides a request's tenant namespace.
+//! Cache salt resolution: the one place that decides a request's tenant salt (which namespace
+//! that salt hashes under, and how it travels to the engine, is [`crate::namespace`]'s; this
+//! module knows nothing of either).
 //!
 //! Precedence, first non-empty wins: the `x-tenant-id` header, then the body's
 //! `nvext.cache_salt`, then the body's top-level `cache_salt`. Empty strings are absent at every
@@ -14,7 +16,6 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use crate::fingerprint::{Fingerprint, FingerprintKey};
-use crate::hashing::HashSeed;
 
 /// The header a gateway sets from the authenticated identity.
 pub const TENANT_HEADER: &str = "x-tenant-id";
@@ -211,14 +212,6 @@ fn first_salt(
         }
     }
     Ok(None)
-}
-
-/// The local-hash seed of a request with this salt and adapter: the salt enters through its
-/// engine namespace (the salt itself unless it is too long to forward; see `engine_salt`), so
-/// routing hashes equal the hashes computed back from the engine's events.
-pub fn seed_for(salt: Option<&CacheSalt>, lora_name: Option<&str>) -> HashSeed {
-    let ns = salt.map(crate::engine_salt::namespace);
-    HashSeed::new(lora_name, ns.as_deref())
 }
 
 #[cfg(test)]

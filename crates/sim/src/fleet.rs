@@ -17,9 +17,11 @@ use rand::rngs::SmallRng;
 use crate::latency::LatencyModel;
 use crate::prefix_cache::{CacheEvent, CacheRequest, EngineDigest, ExtraKey, PrefixCache};
 use crate::workload::WorkloadRequest;
+use kv_epp_core::engine_event::{self as writer, EngineEvent, EventCounters, TIER_DEVICE};
 use kv_epp_core::hashing::prompt_hashes;
-use kv_epp_core::index::{EngineBlockHash, IndexLimits, KvIndex, Medium, StoreBlocks};
-use kv_epp_core::salt::{CacheSalt, SaltSource, seed_for};
+use kv_epp_core::index::{EngineBlockHash, IndexLimits, KvIndex, Medium};
+use kv_epp_core::namespace::{self, Namespace, seed_for};
+use kv_epp_core::salt::{CacheSalt, SaltSource};
 use kv_epp_core::scoring::{Candidate, ScoringConfig, pick};
 use kv_epp_core::worker::WorkerId;
 
@@ -164,6 +166,8 @@ pub fn simulate(spec: &FleetSpec, policy: &Policy, requests: &[WorkloadRequest])
             index
         })
         .collect();
+    // The writer counts into these; the report reads the engines and the index instead.
+    let counters = EventCounters::default();
     // Per replica, per engine: requests that replica routed and that are still running.
     let mut routed: Vec<Vec<u32>> = vec![vec![0; spec.workers]; replicas];
     let mut rng = SmallRng::seed_from_u64(1);
@@ -225,7 +229,7 @@ pub fn simulate(spec: &FleetSpec, policy: &Policy, requests: &[WorkloadRequest])
         };
         let engine = &mut engines[chosen];
         // The engine receives the salt in kv-epp's forwarded form, as in production.
-        let forwarded = cache_salt.as_ref().map(kv_epp_core::engine_salt::forwarded);
+        let forwarded = cache_salt.as_ref().map(|s| Namespace::of(s).forwarded());
         let creq = CacheRequest {
             tokens: &req.tokens,
             salt: forwarded.as_deref(),
@@ -256,8 +260,10 @@ pub fn simulate(spec: &FleetSpec, policy: &Policy, requests: &[WorkloadRequest])
                     engine.stored_by.insert(*h, req.tenant.clone());
                 }
             }
+            let ev = engine_event(&ev, spec.block_size);
             for index in &indexes {
-                apply_event(index, &ids[chosen], &ev);
+                // Ignoring the result: a worker that was removed meanwhile has nothing to update.
+                let _ = writer::apply(index, &ids[chosen], &ev, &counters);
             }
         }
         let start = now.max(engine.prefill_free_at);
@@ -282,49 +288,45 @@ pub fn simulate(spec: &FleetSpec, policy: &Policy, requests: &[WorkloadRequest])
     report
 }
 
-/// Applies one engine event to the index the way the event subscriber does (same namespace rule:
-/// `events::apply::root_seed`).
-pub fn apply_event(index: &KvIndex, worker: &WorkerId, ev: &CacheEvent) {
+/// The engine-neutral form of one simulated engine event, as kv-epp's vLLM decoder would make it
+/// from the published event (same namespace rule, `namespace::root_seed`, on sequence starts).
+pub fn engine_event(ev: &CacheEvent, block_size: usize) -> EngineEvent {
+    let hashes = |h: &[EngineDigest]| h.iter().map(|h| EngineBlockHash(h.as_u64())).collect();
     match ev {
         CacheEvent::Stored {
             parent,
-            hashes,
+            hashes: stored,
             tokens,
             extra_keys,
             lora_name,
         } => {
-            // The same namespace rule the event subscriber applies.
-            let first: Vec<kv_epp::events::vllm::ExtraKey> = extra_keys
-                .first()
-                .into_iter()
-                .flatten()
-                .map(|k| match k {
-                    ExtraKey::Str(s) => kv_epp::events::vllm::ExtraKey::Str(s.clone()),
-                })
-                .collect();
-            let root_seed = kv_epp::events::apply::root_seed(lora_name.as_deref(), &first);
-            let engine: Vec<EngineBlockHash> =
-                hashes.iter().map(|h| EngineBlockHash(h.as_u64())).collect();
-            // Ignoring the result: a worker that was removed meanwhile has nothing to update.
-            let _ = index.store(
-                worker,
-                &StoreBlocks {
-                    parent: parent.map(|p| EngineBlockHash(p.as_u64())),
-                    root_seed,
-                    engine_hashes: &engine,
-                    tokens,
-                    medium: Medium::Device,
-                },
-            );
+            let root_seed = if parent.is_none() {
+                let first: Vec<namespace::ExtraKey> = extra_keys
+                    .first()
+                    .into_iter()
+                    .flatten()
+                    .map(|k| match k {
+                        ExtraKey::Str(s) => namespace::ExtraKey::Str(s.clone()),
+                    })
+                    .collect();
+                namespace::root_seed(lora_name.as_deref(), &first)
+            } else {
+                None // inherited from the parent inside the index
+            };
+            EngineEvent::Stored {
+                parent: parent.map(|p| EngineBlockHash(p.as_u64())),
+                root_seed,
+                engine_hashes: hashes(stored),
+                tokens: tokens.clone(),
+                medium: Medium::Device,
+                block_size: Some(block_size),
+            }
         }
-        CacheEvent::Removed { hashes } => {
-            let engine: Vec<EngineBlockHash> =
-                hashes.iter().map(|h| EngineBlockHash(h.as_u64())).collect();
-            let _ = index.remove(worker, &engine, Medium::Device);
-        }
-        CacheEvent::Cleared => {
-            let _ = index.clear_worker(worker);
-        }
+        CacheEvent::Removed { hashes: removed } => EngineEvent::Removed {
+            engine_hashes: hashes(removed),
+            tiers: TIER_DEVICE,
+        },
+        CacheEvent::Cleared => EngineEvent::Cleared,
     }
 }
 

@@ -16,7 +16,7 @@ use kv_epp::config::Config;
 use kv_epp::extproc::usage::UsageScanner;
 use kv_epp::httpc;
 use kv_epp::server::Server;
-use kv_epp_core::engine_salt;
+use kv_epp_core::namespace::Namespace;
 use kv_epp_core::salt::{CacheSalt, SaltSource};
 use kv_epp_sim::latency::LatencyModel;
 use kv_epp_sim::server::{SimWorker, SimWorkerConfig, start};
@@ -300,7 +300,7 @@ pub(crate) async fn run(
     let salt_of = |t: &Option<String>| {
         t.as_deref()
             .and_then(|t| CacheSalt::new(t, SaltSource::Header).ok().flatten())
-            .map(|s| engine_salt::forwarded(&s))
+            .map(|s| Namespace::of(&s).forwarded())
     };
     let addrs: Vec<SocketAddr> = sims.iter().map(|w| w.http_addr).collect();
     let rr = replay(&work, |i, req| {

@@ -202,7 +202,7 @@ fn bench_events_over_zmq() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let index = server.router.index("m").expect("index").clone();
+        let index = server.picker.models.index("m").expect("index").clone();
         let t = Instant::now();
         for (seq, p) in payloads.into_iter().enumerate() {
             let mut m = ZmqMessage::from(Bytes::new());

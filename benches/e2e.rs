@@ -189,8 +189,10 @@ async fn main() {
         let body = serde_json::json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": text}]})
             .to_string();
         let tokens = server
-            .router
-            .tokenize("/v1/chat/completions", "m", body.as_bytes())
+            .picker
+            .models
+            .resolve("m")
+            .and_then(|r| r.model.tokenize("/v1/chat/completions", body.as_bytes()))
             .and_then(Result::ok)
             .map_or(0, |t| t.len());
         let path = "/v1/chat/completions";

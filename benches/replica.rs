@@ -15,11 +15,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use kv_epp::config::{Config, PeersConfig};
+use kv_epp::decide::Picker;
 use kv_epp::events::Feeds;
 use kv_epp::metrics::Metrics;
 use kv_epp::readiness::Readiness;
 use kv_epp::replica::{self, ReplicaState};
-use kv_epp::router::Router;
 use kv_epp_core::hashing::HashSeed;
 use kv_epp_core::index::holders::MAPPED_BYTES;
 use kv_epp_core::index::{EngineBlockHash, Medium, StoreBlocks};
@@ -108,7 +108,7 @@ fn config() -> Config {
 }
 
 async fn replica(
-    router: Arc<Router>,
+    picker: Arc<Picker>,
     peers: Vec<String>,
     stop: tokio::sync::watch::Receiver<bool>,
 ) -> (Arc<ReplicaState>, std::net::SocketAddr) {
@@ -118,7 +118,8 @@ async fn replica(
         ..PeersConfig::default()
     };
     let state = ReplicaState::new(
-        router,
+        picker.workers.clone(),
+        Arc::new(Metrics::new()),
         Arc::new(Feeds::default()),
         cfg,
         Some("bench-token".into()),
@@ -141,9 +142,9 @@ async fn wait_ready(s: &ReplicaState) {
 
 /// Fills `n` entries over the workers as 64-block chains of a few tenants, through the same
 /// store path engine events take. Returns the time it took.
-fn fill(router: &Router, n: usize) -> Duration {
-    let index = router.index("m").expect("model");
-    let ids: Vec<_> = router.workers().iter().map(|w| w.id).collect();
+fn fill(picker: &Picker, n: usize) -> Duration {
+    let index = picker.models.index("m").expect("model");
+    let ids: Vec<_> = picker.workers.all().iter().map(|w| w.id).collect();
     let chain = 64;
     let mut tokens = vec![0u32; chain * BS];
     let mut hashes = vec![EngineBlockHash(0); chain];
@@ -184,20 +185,20 @@ fn fill(router: &Router, n: usize) -> Duration {
 async fn bench_snapshot(n: usize) {
     let (stop_tx, stop) = tokio::sync::watch::channel(false);
     let cfg = config();
-    let src_router = Arc::new(Router::new(&cfg, Arc::new(Metrics::new())));
-    let apply = fill(&src_router, n);
-    let (src, src_addr) = replica(src_router.clone(), vec![], stop.clone()).await;
+    let src_picker = Arc::new(cfg.picker(Arc::new(Metrics::new())).expect("picker"));
+    let apply = fill(&src_picker, n);
+    let (src, src_addr) = replica(src_picker.clone(), vec![], stop.clone()).await;
     wait_ready(&src).await;
-    let dst_router = Arc::new(Router::new(&cfg, Arc::new(Metrics::new())));
+    let dst_picker = Arc::new(cfg.picker(Arc::new(Metrics::new())).expect("picker"));
     let before = live();
     let started = Instant::now();
-    let (dst, _) = replica(dst_router.clone(), vec![src_addr.to_string()], stop).await;
+    let (dst, _) = replica(dst_picker.clone(), vec![src_addr.to_string()], stop).await;
     wait_ready(&dst).await;
     let took = started.elapsed();
     let after = live();
     let (a, b) = (
-        src_router.index("m").expect("m").digest(),
-        dst_router.index("m").expect("m").digest(),
+        src_picker.models.index("m").expect("m").digest(),
+        dst_picker.models.index("m").expect("m").digest(),
     );
     assert_eq!(a, b, "the bootstrapped index equals its source");
     let bytes = dst.counters.snapshot_bytes.get();

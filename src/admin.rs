@@ -28,11 +28,11 @@ use axum::{Json, Router as HttpRouter};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+use crate::decide::Picker;
 use crate::decide::{self, Decision, Reject, RequestParts, Standing};
 use crate::events::Feeds;
 use crate::hashing::{LocalBlockHash, SequenceHash, sequence_hashes};
 use crate::index::Overlap;
-use crate::router::Router;
 use crate::salt::{SaltField, SaltInputs, TENANT_HEADER};
 
 /// Largest request body accepted.
@@ -41,8 +41,8 @@ pub const MAX_BODY: usize = 8 << 20;
 /// Shared state of the admin API.
 #[derive(Clone)]
 pub struct AdminState {
-    /// The router (models, indexes, workers).
-    pub router: Arc<Router>,
+    /// The request pipeline's state (models, indexes, workers, policy).
+    pub picker: Arc<Picker>,
     /// The event feeds.
     pub feeds: Arc<Feeds>,
     /// Replication, when configured.
@@ -124,21 +124,21 @@ struct QueryByHashRequest {
 
 /// Resolves the model name (or adapter) to its base model and adapter.
 fn model_of<'a>(
-    router: &'a Router,
+    picker: &'a Picker,
     model: &'a str,
     lora: Option<&'a str>,
 ) -> Result<(&'a str, Option<&'a str>), ApiError> {
-    let (base, adapter) = router.resolve_model(model).ok_or_else(|| {
+    let r = picker.models.resolve(model).ok_or_else(|| {
         error(
             StatusCode::NOT_FOUND,
             format!("model `{model}` is not served here"),
         )
     })?;
-    Ok((base, adapter.or(lora.filter(|l| !l.is_empty()))))
+    Ok((r.model.name(), r.lora.or(lora.filter(|l| !l.is_empty()))))
 }
 
-fn answer(router: &Router, base: &str, blocks: usize, overlaps: Vec<Overlap>) -> Response {
-    let block_size = router.index(base).map_or(0, |i| i.block_size()) as u64;
+fn answer(picker: &Picker, base: &str, blocks: usize, overlaps: Vec<Overlap>) -> Response {
+    let block_size = picker.models.get(base).map_or(0, |m| m.block_size()) as u64;
     let mut scores = serde_json::Map::new();
     let mut instances = Vec::new();
     for o in &overlaps {
@@ -181,7 +181,7 @@ async fn query(
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    let (base, lora) = match model_of(&s.router, &req.model, req.lora_name.as_deref()) {
+    let (base, lora) = match model_of(&s.picker, &req.model, req.lora_name.as_deref()) {
         Ok(m) => m,
         Err(e) => return e.into_response(),
     };
@@ -200,18 +200,18 @@ async fn query(
         nvext: SaltField::Absent,
         body: body_salt,
     };
-    let salt = match decide::resolve_salt(&s.router, &inputs) {
+    let salt = match decide::resolve_salt(&s.picker, &inputs) {
         Ok(salt) => salt,
         Err(e) => return refusal(&e),
     };
-    let Some(index) = s.router.index(base) else {
+    let Some(index) = s.picker.models.index(base) else {
         return error(StatusCode::NOT_FOUND, "model has no index").into_response();
     };
-    let seqs = decide::hash_prompt(&s.router, base, lora, salt.as_ref(), &req.token_ids)
+    let seqs = decide::hash_prompt(&s.picker, base, lora, salt.as_ref(), &req.token_ids)
         .map(|h| h.sequence)
         .unwrap_or_default();
     let overlaps = index.query(&seqs);
-    answer(&s.router, base, seqs.len(), overlaps)
+    answer(&s.picker, base, seqs.len(), overlaps)
 }
 
 /// A header value in `/explain`: one string or several.
@@ -266,7 +266,7 @@ async fn explain(State(s): State<AdminState>, body: axum::body::Bytes) -> Respon
         subset: req.subset.as_deref(),
         conformance: None,
     };
-    match decide::explain(&s.router, &parts) {
+    match decide::explain(&s.picker, &parts) {
         Ok(d) => Json(explanation(&d)).into_response(),
         Err(reject) => refusal(&reject),
     }
@@ -363,11 +363,11 @@ async fn query_by_hash(State(s): State<AdminState>, body: axum::body::Bytes) -> 
         )
         .into_response();
     }
-    let (base, _) = match model_of(&s.router, &req.model, req.lora_name.as_deref()) {
+    let (base, _) = match model_of(&s.picker, &req.model, req.lora_name.as_deref()) {
         Ok(m) => m,
         Err(e) => return e.into_response(),
     };
-    let Some(index) = s.router.index(base) else {
+    let Some(index) = s.picker.models.index(base) else {
         return error(StatusCode::NOT_FOUND, "model has no index").into_response();
     };
     let locals: Vec<LocalBlockHash> = req
@@ -377,13 +377,13 @@ async fn query_by_hash(State(s): State<AdminState>, body: axum::body::Bytes) -> 
         .collect();
     let seqs: Vec<SequenceHash> = sequence_hashes(&locals);
     let overlaps = index.query(&seqs);
-    answer(&s.router, base, seqs.len(), overlaps)
+    answer(&s.picker, base, seqs.len(), overlaps)
 }
 
 async fn digest(State(s): State<AdminState>) -> Response {
     let mut models = serde_json::Map::new();
-    for name in s.router.model_names() {
-        if let Some(index) = s.router.index(&name) {
+    for name in s.picker.models.names() {
+        if let Some(index) = s.picker.models.index(&name) {
             let (digest, blocks) = index.digest();
             models.insert(
                 name,
@@ -453,14 +453,12 @@ async fn workers(State(s): State<AdminState>) -> Response {
     let feeds = s.feeds.statuses();
     let polls = s.feeds.poll_statuses();
     let list: Vec<Value> = s
-        .router
-        .workers()
+        .picker
+        .workers
+        .all()
         .iter()
         .map(|w| {
-            let blocks = s
-                .router
-                .index(&w.model)
-                .and_then(|i| i.worker_blocks(&w.id).ok());
+            let blocks = w.index().and_then(|i| i.worker_blocks(&w.id).ok());
             let feed = feeds
                 .iter()
                 .find(|(id, _, _)| *id == w.id)

@@ -8,10 +8,21 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use crate::decide::UnknownModel;
+use crate::decide::{Picker, Policy};
+pub use crate::events::EventEngine;
+use crate::fingerprint::FingerprintKey;
 use crate::index::IndexLimits;
+use crate::membership::{DesiredWorker, MembershipSettings};
+use crate::metrics::Metrics;
+use crate::models::{ModelSettings, ServedModels};
 use crate::salt::{SaltPolicy, SaltSource};
 use crate::scoring::ScoringConfig;
 use crate::worker::WorkerId;
+use crate::workers::Workers;
 
 /// The whole configuration.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -116,21 +127,6 @@ impl Default for EngineMetricsConfig {
             stale_after_ms: 2000,
         }
     }
-}
-
-/// Which event protocol the workers speak.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum EventEngine {
-    /// vLLM over ZeroMQ.
-    #[default]
-    Vllm,
-    /// SGLang: vLLM-shaped ZeroMQ events without salts (salted tenants get no credit from them).
-    Sglang,
-    /// TensorRT-LLM's `POST /kv_cache_events` drain, polled.
-    Trtllm,
-    /// No events: route on load alone.
-    None,
 }
 
 /// KV event sources.
@@ -276,17 +272,6 @@ pub enum PoolApiVersion {
     V1alpha2,
 }
 
-/// What to do with a request for a model that is not configured.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum UnknownModel {
-    /// Route on load alone among every ready worker.
-    #[default]
-    LoadOnly,
-    /// Answer 404 with a JSON error.
-    Reject,
-}
-
 /// Request handling.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -422,38 +407,110 @@ pub struct TokenizerSource {
 }
 
 impl Config {
-    /// Loads every configured tokenizer (I/O: call once at start). Errors name the model.
-    pub fn load_tokenizers(&self) -> Result<crate::tokenize::ModelCatalog, ConfigError> {
-        use crate::tokenize::{LoraAdapter, ModelCatalog, ModelTokenizer, TokenizerFiles};
-        let mut catalog = ModelCatalog::new();
+    /// The served models, each with its tokenizer loaded when it names one (I/O: call once at
+    /// start). Errors name the model.
+    pub fn served_models(&self) -> Result<ServedModels, ConfigError> {
+        use crate::tokenize::{ModelTokenizer, TokenizerFiles};
+        let mut settings = Vec::with_capacity(self.models.len());
         for (i, m) in self.models.iter().enumerate() {
-            let Some(src) = &m.tokenizer else { continue };
-            let mut files = TokenizerFiles::in_dir(&src.path);
-            if src.chat_template.is_some() {
-                files.chat_template = src.chat_template.clone();
-            }
-            let mut tok = ModelTokenizer::load(&files).map_err(|e| {
-                ConfigError::Invalid(format!("models[{i}].tokenizer ({}): {e}", m.name))
-            })?;
-            for (k, v) in &src.template_vars {
-                tok.set_template_var(k.clone(), v.clone());
-            }
-            let invalid = |e: crate::tokenize::LoadError| {
-                ConfigError::Invalid(format!("models[{i}] ({}): {e}", m.name))
+            let tokenizer = match &m.tokenizer {
+                None => None,
+                Some(src) => {
+                    let mut files = TokenizerFiles::in_dir(&src.path);
+                    if src.chat_template.is_some() {
+                        files.chat_template = src.chat_template.clone();
+                    }
+                    let mut tok = ModelTokenizer::load(&files).map_err(|e| {
+                        ConfigError::Invalid(format!("models[{i}].tokenizer ({}): {e}", m.name))
+                    })?;
+                    for (k, v) in &src.template_vars {
+                        tok.set_template_var(k.clone(), v.clone());
+                    }
+                    Some(Arc::new(tok))
+                }
             };
-            catalog
-                .insert_model(&m.name, std::sync::Arc::new(tok))
-                .map_err(invalid)?;
-            for a in &m.lora_adapters {
-                catalog
-                    .insert_adapter(&LoraAdapter {
-                        name: a.clone(),
-                        base_model: m.name.clone(),
-                    })
-                    .map_err(invalid)?;
-            }
+            settings.push(ModelSettings {
+                name: m.name.clone(),
+                block_size: m.block_size,
+                lora_adapters: m.lora_adapters.clone(),
+                max_prompt_tokens: m.max_prompt_tokens,
+                tokenizer,
+            });
         }
-        Ok(catalog)
+        ServedModels::new(settings, self.index.limits())
+            .map_err(|e| ConfigError::Invalid(format!("models: {e}")))
+    }
+
+    /// How decisions are made: scoring, the in-flight limit, unknown models, salts.
+    pub fn policy(&self) -> Policy {
+        Policy {
+            scoring: ScoringConfig {
+                max_fallbacks: self.routing.fallbacks,
+                ..self.scoring.clone()
+            },
+            max_inflight: (self.routing.max_inflight_per_worker > 0)
+                .then_some(self.routing.max_inflight_per_worker),
+            unknown_model: self.routing.unknown_model,
+            salt: self.salt.policy(),
+            fingerprints: self
+                .salt
+                .fingerprint_key
+                .as_deref()
+                .map(FingerprintKey::from_passphrase)
+                .unwrap_or_else(FingerprintKey::random),
+        }
+    }
+
+    /// Everything the request pipeline reads: the served models (tokenizers loaded), the
+    /// statically configured workers (ready at once) and the policy. Bookings are counted in
+    /// `metrics`.
+    pub fn picker(&self, metrics: Arc<Metrics>) -> Result<Picker, ConfigError> {
+        let models = Arc::new(self.served_models()?);
+        let workers = Arc::new(Workers::new(metrics));
+        for w in &self.workers {
+            let index = models.index(&w.model).cloned();
+            workers.add(w.id(), &w.model, index);
+        }
+        Ok(Picker::new(models, workers, self.policy()))
+    }
+
+    /// How the membership runs workers' companions: the event protocol, the TensorRT-LLM poll
+    /// interval and the engine-metrics scrape.
+    pub fn membership_settings(&self) -> MembershipSettings {
+        let em = &self.engine_metrics;
+        MembershipSettings {
+            engine: self.events.engine,
+            trtllm_interval: Duration::from_millis(self.events.trtllm.poll_interval_ms),
+            scrape: (em.interval_ms > 0).then(|| {
+                (
+                    Duration::from_millis(em.interval_ms),
+                    Duration::from_millis(em.stale_after_ms),
+                )
+            }),
+        }
+    }
+
+    /// A worker with the event endpoints this configuration derives for it (`overrides`: a
+    /// static worker's explicit endpoints).
+    pub fn desired_worker(
+        &self,
+        id: WorkerId,
+        model: &str,
+        overrides: Option<&StaticWorker>,
+    ) -> DesiredWorker {
+        DesiredWorker {
+            id,
+            model: model.to_owned(),
+            feed: self.feed_endpoints(&id, overrides),
+        }
+    }
+
+    /// The statically configured workers, as desired workers.
+    pub fn static_workers(&self) -> Vec<DesiredWorker> {
+        self.workers
+            .iter()
+            .map(|w| self.desired_worker(w.id(), &w.model, Some(w)))
+            .collect()
     }
 }
 

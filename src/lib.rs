@@ -13,12 +13,13 @@ pub mod forward;
 pub mod httpc;
 pub mod membership;
 pub mod metrics;
+pub mod models;
 pub mod process;
 pub mod readiness;
 pub mod replica;
 pub mod request;
-pub mod router;
 pub mod server;
+pub mod workers;
 
 // The layers below the product, named at the root so its modules read `crate::index`, etc.
 use kv_epp_core::{engine_event, fingerprint, hashing, index, namespace, salt, scoring, worker};

@@ -1,5 +1,5 @@
 //! Worker membership: from the set of workers that should exist (static configuration or
-//! discovery) to the running state of each one — the router's worker list, the model's index,
+//! discovery) to the running state of each one — the live worker list, the model's index,
 //! the event feed or TensorRT-LLM poller, and the engine-metrics scraper.
 //!
 //! [`Membership::reconcile`] is the one code path for both sources: it adds what is new, removes
@@ -15,11 +15,11 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use tokio::task::JoinHandle;
 
-use crate::config::{Config, EventEngine};
-use crate::events::Feeds;
 use crate::events::subscriber::FeedEndpoints;
-use crate::router::Router;
+use crate::events::{EventEngine, Feeds};
+use crate::models::ServedModels;
 use crate::worker::WorkerId;
+use crate::workers::Workers;
 
 /// One worker that should exist.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -30,23 +30,6 @@ pub struct DesiredWorker {
     pub model: String,
     /// Where it publishes vLLM/SGLang KV events (`None`: no ZeroMQ feed).
     pub feed: Option<FeedEndpoints>,
-}
-
-impl DesiredWorker {
-    /// A worker with the event endpoints the configuration derives for it (`overrides` are a
-    /// static worker's explicit endpoints).
-    pub fn from_config(
-        config: &Config,
-        id: WorkerId,
-        model: &str,
-        overrides: Option<&crate::config::StaticWorker>,
-    ) -> DesiredWorker {
-        DesiredWorker {
-            id,
-            model: model.to_owned(),
-            feed: config.feed_endpoints(&id, overrides),
-        }
-    }
 }
 
 /// What one [`Membership::reconcile`] call changed.
@@ -67,18 +50,21 @@ impl Changes {
 
 /// How workers' companions are run.
 #[derive(Clone, Debug)]
-struct Settings {
-    engine: EventEngine,
-    trtllm_interval: Duration,
+pub struct MembershipSettings {
+    /// The event protocol the workers speak.
+    pub engine: EventEngine,
+    /// Time between TensorRT-LLM drains.
+    pub trtllm_interval: Duration,
     /// Scrape interval and staleness of engine metrics (`None`: no scraping).
-    scrape: Option<(Duration, Duration)>,
+    pub scrape: Option<(Duration, Duration)>,
 }
 
 /// The running workers and their companions (feeds, pollers, scrapers).
 pub struct Membership {
-    router: Arc<Router>,
+    models: Arc<ServedModels>,
+    workers: Arc<Workers>,
     feeds: Arc<Feeds>,
-    settings: Settings,
+    settings: MembershipSettings,
     state: Mutex<State>,
 }
 
@@ -89,33 +75,21 @@ struct State {
 }
 
 impl Membership {
-    /// An empty membership over `router` and `feeds`, run as `config` says.
-    pub fn new(config: &Config, router: Arc<Router>, feeds: Arc<Feeds>) -> Membership {
-        let em = &config.engine_metrics;
+    /// An empty membership: workers of `models` join `workers` and get their `feeds`, run as
+    /// `settings` says.
+    pub fn new(
+        settings: MembershipSettings,
+        models: Arc<ServedModels>,
+        workers: Arc<Workers>,
+        feeds: Arc<Feeds>,
+    ) -> Membership {
         Membership {
-            router,
+            models,
+            workers,
             feeds,
-            settings: Settings {
-                engine: config.events.engine,
-                trtllm_interval: Duration::from_millis(config.events.trtllm.poll_interval_ms),
-                scrape: (em.interval_ms > 0).then(|| {
-                    (
-                        Duration::from_millis(em.interval_ms),
-                        Duration::from_millis(em.stale_after_ms),
-                    )
-                }),
-            },
+            settings,
             state: Mutex::new(State::default()),
         }
-    }
-
-    /// The statically configured workers, as desired workers.
-    pub fn static_workers(config: &Config) -> Vec<DesiredWorker> {
-        config
-            .workers
-            .iter()
-            .map(|w| DesiredWorker::from_config(config, w.id(), &w.model, Some(w)))
-            .collect()
     }
 
     /// Makes the running workers exactly `desired` (later duplicates of an id are ignored).
@@ -123,7 +97,7 @@ impl Membership {
     pub fn reconcile(&self, desired: Vec<DesiredWorker>) -> Changes {
         let mut wanted = BTreeMap::new();
         for w in desired {
-            if self.router.index(&w.model).is_none() {
+            if self.models.index(&w.model).is_none() {
                 tracing::warn!(worker = %w.id, model = %w.model, "skipping a worker of an unconfigured model");
                 continue;
             }
@@ -153,17 +127,12 @@ impl Membership {
         changes
     }
 
-    /// The router workers are added to.
-    pub fn router(&self) -> &Arc<Router> {
-        &self.router
-    }
-
     /// The workers currently running.
     pub fn workers(&self) -> Vec<DesiredWorker> {
         self.state.lock().current.values().cloned().collect()
     }
 
-    /// Stops every worker's companions (the router keeps its list). Called at shutdown.
+    /// Stops every worker's companions (the worker list stays). Called at shutdown.
     pub fn shutdown(&self) {
         let mut state = self.state.lock();
         for task in std::mem::take(&mut state.scrapers).into_values() {
@@ -175,8 +144,9 @@ impl Membership {
     }
 
     fn start(&self, state: &mut State, w: DesiredWorker) {
-        self.router.add_worker(w.id, &w.model);
-        if let Some(index) = self.router.index(&w.model) {
+        let index = self.models.index(&w.model).cloned();
+        self.workers.add(w.id, &w.model, index.clone());
+        if let Some(index) = index {
             match (&w.feed, self.settings.engine) {
                 (Some(endpoints), EventEngine::Vllm | EventEngine::Sglang) => {
                     self.feeds.start(w.id, index.clone(), endpoints.clone());
@@ -189,7 +159,7 @@ impl Membership {
             }
         }
         if let Some((interval, stale)) = self.settings.scrape
-            && let Some(rt) = self.router.workers().into_iter().find(|r| r.id == w.id)
+            && let Some(rt) = self.workers.get(&w.id)
         {
             let task = tokio::spawn(crate::engine_metrics::scrape(rt, interval, stale));
             if let Some(old) = state.scrapers.insert(w.id, task) {
@@ -204,7 +174,7 @@ impl Membership {
         if let Some(task) = state.scrapers.remove(id) {
             task.abort();
         }
-        self.router.remove_worker(id);
+        self.workers.remove(id);
         state.current.remove(id);
     }
 }
@@ -220,15 +190,26 @@ impl Drop for Membership {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Config;
+    use crate::decide::Picker;
     use crate::metrics::Metrics;
 
-    fn setup(yaml: &str) -> (Config, Arc<Router>, Arc<Feeds>, Membership) {
+    fn setup(yaml: &str) -> (Config, Arc<Picker>, Arc<Feeds>, Membership) {
         let config = Config::from_yaml(yaml).unwrap();
         config.validate().unwrap();
-        let router = Arc::new(Router::new(&config, Arc::new(Metrics::new())));
+        let picker = Arc::new(Picker::new(
+            Arc::new(config.served_models().unwrap()),
+            Arc::new(Workers::new(Arc::new(Metrics::new()))),
+            config.policy(),
+        ));
         let feeds = Arc::new(Feeds::default());
-        let m = Membership::new(&config, router.clone(), feeds.clone());
-        (config, router, feeds, m)
+        let m = Membership::new(
+            config.membership_settings(),
+            picker.models.clone(),
+            picker.workers.clone(),
+            feeds.clone(),
+        );
+        (config, picker, feeds, m)
     }
 
     fn id(s: &str) -> WorkerId {
@@ -237,14 +218,14 @@ mod tests {
 
     #[tokio::test]
     async fn adds_removes_and_replaces_workers_everywhere() {
-        let (config, router, feeds, m) = setup(
+        let (config, picker, feeds, m) = setup(
             "models: [{name: a, block_size: 4}, {name: b, block_size: 4}]\nengine_metrics: {interval_ms: 0}\n",
         );
-        let w = |s: &str, model: &str| DesiredWorker::from_config(&config, id(s), model, None);
+        let w = |s: &str, model: &str| config.desired_worker(id(s), model, None);
         let c = m.reconcile(vec![w("127.0.0.1:8000", "a"), w("127.0.0.1:8001#1", "a")]);
         assert_eq!(c.added.len(), 2);
-        assert_eq!(router.workers().len(), 2);
-        assert_eq!(router.index("a").unwrap().workers().len(), 2);
+        assert_eq!(picker.workers.all().len(), 2);
+        assert_eq!(picker.models.index("a").unwrap().workers().len(), 2);
         let eps: Vec<String> = feeds
             .statuses()
             .into_iter()
@@ -260,35 +241,36 @@ mod tests {
         ]);
         assert!(c.is_empty(), "{c:?}");
 
-        // One vanishes, one changes model: removed from router, index and feeds.
+        // One vanishes, one changes model: removed from the worker list, index and feeds.
         let c = m.reconcile(vec![w("127.0.0.1:8000", "b")]);
         assert_eq!(c.removed.len(), 2);
         assert_eq!(c.added, vec![id("127.0.0.1:8000")]);
-        let ids: Vec<_> = router
-            .workers()
+        let ids: Vec<_> = picker
+            .workers
+            .all()
             .iter()
             .map(|w| (w.id, w.model.clone()))
             .collect();
         assert_eq!(ids, vec![(id("127.0.0.1:8000"), "b".to_owned())]);
-        assert!(router.index("a").unwrap().workers().is_empty());
+        assert!(picker.models.index("a").unwrap().workers().is_empty());
         assert_eq!(
-            router.index("b").unwrap().workers(),
+            picker.models.index("b").unwrap().workers(),
             vec![id("127.0.0.1:8000")]
         );
         assert_eq!(feeds.statuses().len(), 1);
 
         m.reconcile(Vec::new());
-        assert!(router.workers().is_empty() && feeds.statuses().is_empty());
+        assert!(picker.workers.all().is_empty() && feeds.statuses().is_empty());
         assert!(m.workers().is_empty());
     }
 
     #[tokio::test]
     async fn static_workers_take_the_same_path() {
-        let (config, router, feeds, m) = setup(
+        let (config, picker, feeds, m) = setup(
             "models: [{name: a, block_size: 4}]\nworkers: [{endpoint: '127.0.0.1:8000', model: a, events_endpoint: 'tcp://127.0.0.1:7000'}]\nevents: {engine: trtllm}\n",
         );
-        m.reconcile(Membership::static_workers(&config));
-        assert_eq!(router.workers().len(), 1);
+        m.reconcile(config.static_workers());
+        assert_eq!(picker.workers.all().len(), 1);
         assert_eq!(feeds.poll_statuses().len(), 1, "trtllm workers are polled");
         assert!(feeds.statuses().is_empty());
         m.shutdown();

@@ -1,6 +1,6 @@
 //! `kv-epp serve` as a library: binds the listeners (ext_proc gRPC, gRPC health, Prometheus
-//! metrics), wires them to one [`Router`], and runs until shut down. Tests start it in-process
-//! on ephemeral ports and reach the router directly.
+//! metrics, admin, peers), wires them to one [`Picker`], and runs until shut down. Tests start it
+//! in-process on ephemeral ports and reach the picker directly.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -14,6 +14,7 @@ use tonic::transport::{Identity, Server as GrpcServer, ServerTlsConfig};
 use tonic_health::ServingStatus;
 
 use crate::config::Config;
+use crate::decide::Picker;
 use crate::events::Feeds;
 use crate::extproc::ExtProcService;
 use crate::extproc::stream::StreamOptions;
@@ -21,7 +22,6 @@ use crate::membership::Membership;
 use crate::metrics::Metrics;
 use crate::readiness::Readiness;
 use crate::replica::ReplicaState;
-use crate::router::Router;
 
 /// The gRPC health service names a gateway or the kubelet may ask for.
 pub const HEALTH_SERVICES: [&str; 4] = [
@@ -57,8 +57,8 @@ pub enum ServeError {
 
 /// A running server.
 pub struct Server {
-    /// The router every listener shares.
-    pub router: Arc<Router>,
+    /// The request pipeline's state every listener shares (models, workers, policy).
+    pub picker: Arc<Picker>,
     /// Bound ext_proc address.
     pub grpc_addr: SocketAddr,
     /// Bound health address.
@@ -114,10 +114,11 @@ impl Server {
     pub async fn start(config: &Config) -> Result<Server, ServeError> {
         let readiness = Readiness::default();
         let metrics = Arc::new(Metrics::new());
-        let tokenizers = config
-            .load_tokenizers()
-            .map_err(|e| ServeError::Tokenizer(e.to_string()))?;
-        let router = Arc::new(Router::with_tokenizers(config, metrics.clone(), tokenizers));
+        let picker = Arc::new(
+            config
+                .picker(metrics.clone())
+                .map_err(|e| ServeError::Tokenizer(e.to_string()))?,
+        );
         let ip = config.server.bind_address;
         let grpc = bind("ext_proc", SocketAddr::new(ip, config.server.grpc_port)).await?;
         let health = bind(
@@ -164,7 +165,8 @@ impl Server {
                     }
                 }
                 let state = ReplicaState::new(
-                    router.clone(),
+                    picker.workers.clone(),
+                    metrics.clone(),
                     feeds.clone(),
                     peers,
                     token,
@@ -187,8 +189,13 @@ impl Server {
             );
         }
         // Static workers and discovered ones go through the same reconciler.
-        let membership = Arc::new(Membership::new(config, router.clone(), feeds.clone()));
-        membership.reconcile(Membership::static_workers(config));
+        let membership = Arc::new(Membership::new(
+            config.membership_settings(),
+            picker.models.clone(),
+            picker.workers.clone(),
+            feeds.clone(),
+        ));
+        membership.reconcile(config.static_workers());
         let (grpc_addr, health_addr, metrics_addr) =
             (local(&grpc), local(&health), local(&metrics_l));
         let (shutdown, rx) = watch::channel(false);
@@ -199,8 +206,12 @@ impl Server {
             retry_after_seconds: config.routing.retry_after_seconds,
             conformance_hooks: config.routing.conformance_hooks,
         };
-        let service = ExternalProcessorServer::new(ExtProcService::new(router.clone(), opts))
-            .max_decoding_message_size(config.routing.max_body_bytes.max(4 << 20) + (1 << 20));
+        let service = ExternalProcessorServer::new(ExtProcService::new(
+            picker.clone(),
+            metrics.clone(),
+            opts,
+        ))
+        .max_decoding_message_size(config.routing.max_body_bytes.max(4 << 20) + (1 << 20));
         // Without TCP_NODELAY, the small messages that follow a streamed body chunk wait on
         // Nagle's algorithm and the peer's delayed ACK: tens of milliseconds per request.
         let mut builder = GrpcServer::builder().tcp_nodelay(true);
@@ -262,10 +273,11 @@ impl Server {
             }
         }));
 
+        let exported = metrics.clone();
         let app = axum::Router::new().route(
             "/metrics",
             axum::routing::get(move || {
-                let m = metrics.clone();
+                let m = exported.clone();
                 async move {
                     (
                         [(
@@ -291,7 +303,12 @@ impl Server {
         }));
         if config.discovers_workers() {
             let (run, mut stop) = (
-                crate::discovery::run(config.clone(), membership.clone(), readiness.clone()),
+                crate::discovery::run(
+                    config.clone(),
+                    membership.clone(),
+                    readiness.clone(),
+                    metrics.clone(),
+                ),
                 rx.clone(),
             );
             tasks.push(tokio::spawn(async move {
@@ -308,7 +325,7 @@ impl Server {
             state
         });
         let admin = crate::admin::routes(crate::admin::AdminState {
-            router: router.clone(),
+            picker: picker.clone(),
             feeds: feeds.clone(),
             replica: replica.clone(),
             max_body_bytes: config.routing.max_body_bytes,
@@ -327,7 +344,7 @@ impl Server {
         }));
         tracing::info!(%grpc_addr, %health_addr, %metrics_addr, %admin_addr, "kv-epp serving");
         Ok(Server {
-            router,
+            picker,
             grpc_addr,
             health_addr,
             metrics_addr,

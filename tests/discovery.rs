@@ -63,8 +63,9 @@ fn config(fake: &FakeKube, name: &str, extra_pool: &str, rest: &str) -> Config {
 /// The router's workers as sorted `ip:port#rank` strings.
 fn workers(s: &Server) -> Vec<String> {
     let mut v: Vec<String> = s
-        .router
-        .workers()
+        .picker
+        .workers
+        .all()
         .iter()
         .map(|w| w.id.to_string())
         .collect();
@@ -106,7 +107,7 @@ fn picks(s: &Server) -> BTreeSet<String> {
                 body: Some(body.as_bytes()),
                 ..RequestParts::default()
             };
-            let d = decide(&s.router, &parts).ok()?;
+            let d = decide(&s.picker, &parts).ok()?;
             Some(d.pick.to_string())
         })
         .collect()
@@ -206,7 +207,7 @@ async fn workers_follow_pod_readiness_deletion_selector_and_target_ports() {
     // 2. b becomes ready: two workers, both routable and both in the index.
     fake.put(Res::Pods, NS, pod("b", "127.0.0.12", true, app("vllm")));
     expect_workers(&server, &["127.0.0.11:8000", "127.0.0.12:8000"]).await;
-    assert_eq!(server.router.index("m").unwrap().workers().len(), 2);
+    assert_eq!(server.picker.models.index("m").unwrap().workers().len(), 2);
 
     // 3. a starts terminating: gone from router, index, feeds and routing.
     let mut terminating = pod("a", "127.0.0.11", true, app("vllm"));
@@ -214,7 +215,8 @@ async fn workers_follow_pod_readiness_deletion_selector_and_target_ports() {
     fake.put(Res::Pods, NS, terminating);
     expect_workers(&server, &["127.0.0.12:8000"]).await;
     let index_workers: Vec<String> = server
-        .router
+        .picker
+        .models
         .index("m")
         .unwrap()
         .workers()
@@ -391,7 +393,15 @@ async fn a_discovered_workers_events_feed_the_index_until_its_pod_goes() {
     fake.delete(Res::Pods, NS, "sim");
     expect_workers(&server, &[]).await;
     assert!(feeds(&server).is_empty());
-    assert!(server.router.index("m").unwrap().workers().is_empty());
+    assert!(
+        server
+            .picker
+            .models
+            .index("m")
+            .unwrap()
+            .workers()
+            .is_empty()
+    );
     assert_eq!(believed(&server, sim.http_addr, &tokens).await, 0);
     fake.put(Res::Pods, NS, pod("sim", "127.0.0.1", true, app("vllm")));
     expect_workers(&server, &[&worker]).await;
@@ -420,8 +430,8 @@ async fn a_410_gone_relists_and_the_state_is_exact() {
     });
     expect_workers(&server, &["127.0.0.25:8000"]).await;
     assert!(fake.lists(Res::Pods) > pod_lists && fake.lists(Res::PoolV1) > pool_lists);
-    assert_eq!(server.router.workers().len(), 1, "no duplicate workers");
-    assert_eq!(server.router.index("m").unwrap().workers().len(), 1);
+    assert_eq!(server.picker.workers.all().len(), 1, "no duplicate workers");
+    assert_eq!(server.picker.models.index("m").unwrap().workers().len(), 1);
     assert_eq!(feeds(&server).len(), 1);
 
     // Watching resumes after the relist: live events are applied again.
@@ -545,8 +555,9 @@ async fn several_models_are_told_apart_by_a_pod_label() {
     expect_workers(&server, &["127.0.0.51:8000", "127.0.0.52:8000"]).await;
     let by_model: Vec<(String, String)> = {
         let mut v: Vec<_> = server
-            .router
-            .workers()
+            .picker
+            .workers
+            .all()
             .iter()
             .map(|w| (w.id.to_string(), w.model.clone()))
             .collect();
@@ -789,7 +800,7 @@ async fn a_replica_finds_its_peer_through_endpoint_slices_and_bootstraps() {
     expect_workers(&a, &[&worker]).await;
     // Traffic until a credits the worker's blocks.
     send_until_credited(&a, &sim).await;
-    let index_a = a.router.index("m").unwrap().clone();
+    let index_a = a.picker.models.index("m").unwrap().clone();
     assert!(index_a.digest().1 > 0);
 
     fake.put(Res::EndpointSlices, NS, slice(Some(false)));
@@ -803,7 +814,7 @@ async fn a_replica_finds_its_peer_through_endpoint_slices_and_bootstraps() {
     );
     assert!(rb.counters.blocks_restored.get() > 0, "b copied a's index");
     assert_eq!(ra.counters.snapshots_served.get(), 1);
-    let index_b = b.router.index("m").unwrap().clone();
+    let index_b = b.picker.models.index("m").unwrap().clone();
     assert!(
         common::eventually(DEADLINE_SECS, || index_a.digest() == index_b.digest()).await,
         "digests agree: {:?} vs {:?}",

@@ -55,8 +55,9 @@ async fn busy_engines_lose_traffic_and_stale_figures_are_dropped() {
     let server = Server::start(&c).await.unwrap();
     let loaded = |addr| {
         server
-            .router
-            .workers()
+            .picker
+            .workers
+            .all()
             .iter()
             .any(|w| w.id.endpoint == addr && w.engine_load().is_some())
     };
@@ -65,7 +66,7 @@ async fn busy_engines_lose_traffic_and_stale_figures_are_dropped() {
         "figures scraped"
     );
     for _ in 0..20 {
-        let d = decide(&server.router, &RequestParts::default()).unwrap();
+        let d = decide(&server.picker, &RequestParts::default()).unwrap();
         assert_eq!(d.pick.endpoint, idle, "the queued engine is avoided");
     }
     busy_up.store(false, Ordering::Relaxed);

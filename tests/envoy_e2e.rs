@@ -18,7 +18,8 @@ fn seed(server: &Server, worker: SocketAddr, tokens: &[u32], salt: Option<&str>)
         .map(|i| EngineBlockHash(1000 + i as u64))
         .collect();
     server
-        .router
+        .picker
+        .models
         .index("m")
         .unwrap()
         .store(
@@ -310,7 +311,7 @@ async fn client_sees_kv_epp_rejections_with_reasons() {
             .unwrap()
         }
     });
-    assert!(eventually(5, || rig.server.router.total_inflight() == 1).await);
+    assert!(eventually(5, || rig.server.picker.workers.total_inflight() == 1).await);
     let r = rig.post(&[], br#"{"model":"m","prompt":[1]}"#).await;
     assert_eq!(r.status, 429);
     assert_eq!(r.header("retry-after"), Some("3"));
@@ -319,7 +320,7 @@ async fn client_sees_kv_epp_rejections_with_reasons() {
         Some("rejected-saturated")
     );
     assert_eq!(slow.await.unwrap().status, 200);
-    assert!(eventually(5, || rig.server.router.total_inflight() == 0).await);
+    assert!(eventually(5, || rig.server.picker.workers.total_inflight() == 0).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -392,12 +393,12 @@ async fn concurrent_requests_with_aborts_leave_no_bookings() {
     }
     assert_eq!(ok, 160);
     assert!(
-        eventually(10, || rig.server.router.total_inflight() == 0).await,
+        eventually(10, || rig.server.picker.workers.total_inflight() == 0).await,
         "bookings leaked: {}",
-        rig.server.router.total_inflight()
+        rig.server.picker.workers.total_inflight()
     );
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(rig.server.router.total_inflight(), 0);
+    assert_eq!(rig.server.picker.workers.total_inflight(), 0);
 }
 
 async fn header_tenant_wins_and_reaches_the_engine(shape: EnvoyShape) {
@@ -466,8 +467,10 @@ async fn chat_prompts_are_tokenized_per_tenant_and_salts_reach_the_engine() {
     // What the engine will compute, from the same tokenizer files.
     let catalog = rig
         .server
-        .router
-        .tokenize("/v1/chat/completions", "m", body);
+        .picker
+        .models
+        .resolve("m")
+        .and_then(|r| r.model.tokenize("/v1/chat/completions", body));
     let tokens = catalog.expect("model has a tokenizer").unwrap();
     assert!(tokens.len() >= 16);
     let holder = rig.ups[1].addr;

@@ -76,7 +76,8 @@ async fn polls_apply_once_and_survive_garbage() {
     let id = WorkerId::new(engine);
     assert!(
         eventually(5, || server
-            .router
+            .picker
+            .models
             .index("m")
             .unwrap()
             .worker_blocks(&id)

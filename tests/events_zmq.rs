@@ -266,7 +266,8 @@ async fn end_to_end(map_layout: bool, bytes_hashes: bool) {
         .await;
     let ok = eventually(15, || {
         server
-            .router
+            .picker
+            .models
             .index("m")
             .unwrap()
             .worker_blocks(&kv_epp_core::worker::WorkerId::new(worker))
@@ -313,7 +314,8 @@ async fn end_to_end(map_layout: bool, bytes_hashes: bool) {
         .await;
     assert!(
         eventually(15, || server
-            .router
+            .picker
+            .models
             .index("m")
             .unwrap()
             .worker_blocks(&kv_epp_core::worker::WorkerId::new(worker))
@@ -366,7 +368,8 @@ async fn without_replay_a_gap_drops_state_and_fresh_events_recover() {
         .await;
     assert!(
         eventually(15, || server
-            .router
+            .picker
+            .models
             .index("m")
             .unwrap()
             .worker_blocks(&id)
@@ -413,7 +416,8 @@ async fn malformed_frames_leave_the_subscriber_running_and_the_index_unchanged()
         .await;
     assert!(
         eventually(15, || server
-            .router
+            .picker
+            .models
             .index("m")
             .unwrap()
             .worker_blocks(&id)
@@ -501,7 +505,8 @@ async fn malformed_frames_leave_the_subscriber_running_and_the_index_unchanged()
         .await;
     assert!(
         eventually(15, || server
-            .router
+            .picker
+            .models
             .index("m")
             .unwrap()
             .worker_blocks(&id)

@@ -9,6 +9,7 @@ mod common;
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::service::ext_proc::v3::{
@@ -17,6 +18,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use kv_epp::config::Config;
 use kv_epp::extproc::stream::{StreamHandler, StreamOptions};
+use kv_epp::metrics::Metrics;
 use kv_epp::server::Server;
 use kv_epp_core::fingerprint::FingerprintKey;
 use serde_json::Value;
@@ -115,10 +117,11 @@ fn seen(v: &Value, forwarded: Value) -> Seen {
 }
 
 /// The ext_proc edge, driven in-process exactly as the tonic service drives it, on the running
-/// server's router; returns what it decided and the body it streamed back to Envoy.
+/// server's picker; returns what it decided and the body it streamed back to Envoy.
 fn via_ext_proc(server: &Server) -> (StreamHandler, Seen) {
     let mut h = StreamHandler::new(
-        server.router.clone(),
+        server.picker.clone(),
+        Arc::new(Metrics::new()),
         StreamOptions {
             max_body_bytes: 1 << 20,
             retry_after_seconds: 1,
@@ -188,7 +191,7 @@ async fn ext_proc_tokenize_and_explain_agree() {
 
     let (handler, ext_proc) = via_ext_proc(&server);
     assert_eq!(
-        server.router.total_inflight(),
+        server.picker.workers.total_inflight(),
         1,
         "ext_proc booked a worker"
     );
@@ -208,7 +211,7 @@ async fn ext_proc_tokenize_and_explain_agree() {
     assert_eq!(r.status, 200, "{}", r.text());
     let explained: Value = serde_json::from_slice(&r.body).unwrap();
     assert_eq!(
-        server.router.total_inflight(),
+        server.picker.workers.total_inflight(),
         1,
         "explaining books nothing"
     );
@@ -246,7 +249,7 @@ async fn ext_proc_tokenize_and_explain_agree() {
     assert!(!r.text().contains(TENANT) && !r.text().contains("client-smuggled"));
 
     drop(handler);
-    assert_eq!(server.router.total_inflight(), 0);
+    assert_eq!(server.picker.workers.total_inflight(), 0);
     server.stop().await;
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -100,7 +100,7 @@ pub(crate) fn run(args: &ServeArgs) -> Result<(), String> {
     init_logs(&args.log_format)?;
     let config = effective_config(args)?;
     if args.validate_only {
-        config.load_tokenizers().map_err(|e| e.to_string())?;
+        config.served_models().map_err(|e| e.to_string())?;
         println!("configuration OK");
         return Ok(());
     }

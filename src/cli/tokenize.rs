@@ -14,7 +14,6 @@ use kv_epp::config::Config;
 use kv_epp::decide::{self, RequestParts};
 use kv_epp::metrics::Metrics;
 use kv_epp::request::{self, Prompt};
-use kv_epp::router::Router;
 
 /// Flags of `kv-epp tokenize`.
 #[derive(clap::Args, Debug)]
@@ -35,9 +34,10 @@ pub(crate) fn run(args: &TokenizeArgs, mut input: impl Read) -> Result<String, S
     let mut config = Config::from_file(&args.config_file).map_err(|e| e.to_string())?;
     config.validate().map_err(|e| e.to_string())?;
     config.read_secret_files().map_err(|e| e.to_string())?;
-    let catalog = config.load_tokenizers().map_err(|e| e.to_string())?;
     // The workers are registered but never consulted: `understand` stops before them.
-    let router = Router::with_tokenizers(&config, Arc::new(Metrics::new()), catalog);
+    let picker = config
+        .picker(Arc::new(Metrics::new()))
+        .map_err(|e| e.to_string())?;
     let mut body = Vec::new();
     input
         .read_to_end(&mut body)
@@ -56,7 +56,7 @@ pub(crate) fn run(args: &TokenizeArgs, mut input: impl Read) -> Result<String, S
         body: Some(&body),
         ..RequestParts::default()
     };
-    let u = decide::understand(&router, &parts).map_err(|e| e.to_string())?;
+    let u = decide::understand(&picker, &parts).map_err(|e| e.to_string())?;
     let named = u.model.named.clone().unwrap_or_default();
     let Some(base) = &u.model.base else {
         return Err(format!("model `{named}` is not configured"));

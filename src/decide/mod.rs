@@ -17,6 +17,7 @@
 //! Every refusal is a [`Reject`]; the edges map it to their protocol with its methods.
 //! Pure and synchronous: the only state touched is the booking's in-flight count.
 
+mod picker;
 mod reject;
 
 use std::fmt;
@@ -26,6 +27,7 @@ use std::sync::Arc;
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
+pub use picker::{Picker, Policy, UnknownModel};
 pub use reject::{ROUTED, Reject, TOKENIZE_FAILED};
 
 use crate::fingerprint::Fingerprint;
@@ -33,11 +35,11 @@ use crate::forward::rewrite_salt;
 use crate::hashing::{LocalBlockHash, SequenceHash, prompt_hashes};
 use crate::namespace::{Namespace, seed_for};
 use crate::request::{self, Prompt};
-use crate::router::{Booking, Router, WorkerRuntime};
 use crate::salt::{CacheSalt, SaltInputs, SaltSource, resolve};
 use crate::scoring::{Candidate, EngineLoad, PickError, Scored, ScoringConfig, pick, score};
 use crate::tokenize::TokenizeError;
 use crate::worker::WorkerId;
+use crate::workers::{Booking, WorkerRuntime};
 
 /// One request as an edge found it: the typed input of the pipeline.
 #[derive(Clone, Copy, Default)]
@@ -305,10 +307,10 @@ impl Decision {
     }
 }
 
-/// Resolves a salt from its inputs under the router's policy, with its fingerprint.
-pub fn resolve_salt(router: &Router, inputs: &SaltInputs<'_>) -> Result<Option<Salt>, Reject> {
-    Ok(resolve(inputs, router.salt_policy())?.map(|r| Salt {
-        fingerprint: r.salt.fingerprint(router.fingerprints()),
+/// Resolves a salt from its inputs under the picker's policy, with its fingerprint.
+pub fn resolve_salt(picker: &Picker, inputs: &SaltInputs<'_>) -> Result<Option<Salt>, Reject> {
+    Ok(resolve(inputs, &picker.policy.salt)?.map(|r| Salt {
+        fingerprint: r.salt.fingerprint(&picker.policy.fingerprints),
         value: r.salt,
         source: r.source,
     }))
@@ -317,13 +319,13 @@ pub fn resolve_salt(router: &Router, inputs: &SaltInputs<'_>) -> Result<Option<S
 /// The block hashes of `tokens` for a served base model under a salt and adapter (`None` when
 /// `base` is not served).
 pub fn hash_prompt(
-    router: &Router,
+    picker: &Picker,
     base: &str,
     lora: Option<&str>,
     salt: Option<&Salt>,
     tokens: &[u32],
 ) -> Option<PromptHashes> {
-    let block_size = router.block_size(base)?;
+    let block_size = picker.models.get(base)?.block_size();
     let seed = seed_for(salt.map(Salt::cache_salt), lora);
     let (local, sequence) = prompt_hashes(tokens, block_size, seed);
     Some(PromptHashes {
@@ -339,13 +341,13 @@ pub fn hash_prompt(
 /// Errors: [`Reject::BadRequest`], [`Reject::BadSalt`], [`Reject::UnknownModel`] /
 /// [`Reject::BadPrompt`] (tokenizer refusals), [`Reject::PromptTooLong`]. A tokenizer failure on
 /// kv-epp's side is not a refusal: it is reported in [`Understood::tokenize_failure`].
-pub fn understand(router: &Router, parts: &RequestParts<'_>) -> Result<Understood, Reject> {
+pub fn understand(picker: &Picker, parts: &RequestParts<'_>) -> Result<Understood, Reject> {
     let parsed = match parts.body {
         None | Some([]) => None,
         Some(bytes) => Some(request::parse(bytes)?),
     };
     let salt = resolve_salt(
-        router,
+        picker,
         &SaltInputs {
             header: parts.tenant,
             nvext: parsed.as_ref().map(|p| p.nvext_salt()).unwrap_or_default(),
@@ -353,18 +355,18 @@ pub fn understand(router: &Router, parts: &RequestParts<'_>) -> Result<Understoo
         },
     )?;
     let named = parsed.as_ref().and_then(|p| p.model.clone());
-    let resolved = named.as_deref().and_then(|m| router.resolve_model(m));
+    let resolved = named.as_deref().and_then(|m| picker.models.resolve(m));
     let model = ModelRef {
         named: named.clone(),
-        base: resolved.map(|(b, _)| b.to_owned()),
-        lora: resolved.and_then(|(_, l)| l.map(str::to_owned)),
+        base: resolved.map(|r| r.model.name().to_owned()),
+        lora: resolved.and_then(|r| r.lora.map(str::to_owned)),
     };
     let mut tokenize_failure = None;
     let tokens = match (parsed.as_ref().map(|p| &p.prompt), parts.body) {
         (Some(Prompt::TokenIds(t)), _) => Some(t.clone()),
         (Some(_), Some(bytes)) => {
             let name = named.as_deref().unwrap_or("");
-            match router.tokenize(parts.path, name, bytes) {
+            match resolved.and_then(|r| r.model.tokenize(parts.path, bytes)) {
                 None => None,
                 Some(Ok(t)) => Some(t),
                 Some(Err(TokenizeError::UnknownModel(m))) => return Err(Reject::UnknownModel(m)),
@@ -384,7 +386,7 @@ pub fn understand(router: &Router, parts: &RequestParts<'_>) -> Result<Understoo
         _ => None,
     };
     if let (Some(t), Some(base)) = (&tokens, &model.base)
-        && let Some(max) = router.max_prompt_tokens(base)
+        && let Some(max) = picker.models.get(base).and_then(|m| m.max_prompt_tokens())
         && t.len() > max
     {
         return Err(Reject::PromptTooLong {
@@ -395,7 +397,7 @@ pub fn understand(router: &Router, parts: &RequestParts<'_>) -> Result<Understoo
     }
     let hashes = match (&model.base, &tokens) {
         (Some(base), Some(t)) => {
-            hash_prompt(router, base, model.lora.as_deref(), salt.as_ref(), t).unwrap_or_default()
+            hash_prompt(picker, base, model.lora.as_deref(), salt.as_ref(), t).unwrap_or_default()
         }
         _ => PromptHashes::default(),
     };
@@ -422,26 +424,26 @@ pub fn understand(router: &Router, parts: &RequestParts<'_>) -> Result<Understoo
 /// Decides and books a worker: the request path of the ext_proc edge.
 ///
 /// Errors: every [`Reject`] except [`Reject::BodyTooLarge`] (the edge's own).
-pub fn decide(router: &Router, parts: &RequestParts<'_>) -> Result<Decision, Reject> {
-    decide_with(router, parts, true)
+pub fn decide(picker: &Picker, parts: &RequestParts<'_>) -> Result<Decision, Reject> {
+    decide_with(picker, parts, true)
 }
 
 /// The decision [`decide`] would take now, without booking and without advancing the decision
 /// count: in-flight counts are unchanged. Same errors as [`decide`].
-pub fn explain(router: &Router, parts: &RequestParts<'_>) -> Result<Decision, Reject> {
-    decide_with(router, parts, false)
+pub fn explain(picker: &Picker, parts: &RequestParts<'_>) -> Result<Decision, Reject> {
+    decide_with(picker, parts, false)
 }
 
-fn decide_with(router: &Router, parts: &RequestParts<'_>, book: bool) -> Result<Decision, Reject> {
-    let request = understand(router, parts)?;
+fn decide_with(picker: &Picker, parts: &RequestParts<'_>, book: bool) -> Result<Decision, Reject> {
+    let request = understand(picker, parts)?;
     let base = request.model.base.as_deref();
-    if base.is_none() && router.rejects_unknown_models() {
+    if base.is_none() && picker.policy.unknown_model == UnknownModel::Reject {
         return Err(Reject::UnknownModel(
             request.model.named.clone().unwrap_or_default(),
         ));
     }
     let seqs = &request.hashes.sequence;
-    let overlaps = match base.and_then(|b| router.index(b)) {
+    let overlaps = match base.and_then(|b| picker.models.index(b)) {
         Some(index) if !seqs.is_empty() => index.query(seqs),
         _ => Vec::new(),
     };
@@ -451,7 +453,7 @@ fn decide_with(router: &Router, parts: &RequestParts<'_>, book: bool) -> Result<
     } else {
         ""
     };
-    let picked = router.with_workers(|workers| {
+    let picked = picker.workers.with(|workers| {
         let mut rows: Vec<(&Arc<WorkerRuntime>, Candidate, Option<Exclusion>)> = workers
             .iter()
             .map(|w| {
@@ -461,7 +463,7 @@ fn decide_with(router: &Router, parts: &RequestParts<'_>, book: bool) -> Result<
                     device_blocks: o.map_or(0, |o| o.device_blocks),
                     total_blocks: o.map_or(0, |o| o.total_blocks),
                     inflight: w.inflight(),
-                    max_inflight: router.max_inflight(),
+                    max_inflight: picker.policy.max_inflight,
                     engine: w.engine_load(),
                 };
                 (w, candidate, exclusion(w, base, parts))
@@ -479,7 +481,7 @@ fn decide_with(router: &Router, parts: &RequestParts<'_>, book: bool) -> Result<
                 scope,
             });
         }
-        let n = router.decision_number(book);
+        let n = picker.decision_number(book);
         // With no prompt blocks, spread by decision count; otherwise keep identical prefixes
         // together.
         let key = seqs
@@ -487,7 +489,7 @@ fn decide_with(router: &Router, parts: &RequestParts<'_>, book: bool) -> Result<
             .map_or(n.wrapping_mul(0x9e37_79b9_7f4a_7c15), |s| s.0);
         let mut rng = SmallRng::seed_from_u64(key ^ n);
         let blocks = request.prompt_blocks();
-        let cfg = router.scoring();
+        let cfg = &picker.policy.scoring;
         let d = pick(&eligible, blocks, key, cfg, &mut rng).map_err(|e| match e {
             PickError::NoCandidates => Reject::NoEndpoints {
                 model: named.clone(),
@@ -502,7 +504,7 @@ fn decide_with(router: &Router, parts: &RequestParts<'_>, book: bool) -> Result<
             .iter()
             .find(|(w, _, ex)| ex.is_none() && w.id == pick_id)
         {
-            Some((w, _, _)) => book.then(|| router.book(w)),
+            Some((w, _, _)) => book.then(|| picker.workers.book(w)),
             None => {
                 return Err(Reject::NoEndpoints {
                     model: named.clone(),

@@ -8,7 +8,7 @@ use crate::hashing::HashSeed;
 use crate::index::{EngineBlockHash, Medium, StoreBlocks};
 use crate::metrics::Metrics;
 
-fn router(extra: &str) -> Router {
+fn router(extra: &str) -> Picker {
     let yaml = format!(
         "models: [{{name: m, block_size: 4, lora_adapters: [ad]}}]
 workers: [{{endpoint: '10.0.0.1:8000', model: m}}, {{endpoint: '10.0.0.2:8000', model: m}}]
@@ -16,7 +16,7 @@ workers: [{{endpoint: '10.0.0.1:8000', model: m}}, {{endpoint: '10.0.0.2:8000', 
     );
     let c = Config::from_yaml(&yaml).unwrap();
     c.validate().unwrap();
-    Router::new(&c, Arc::new(Metrics::new()))
+    c.picker(Arc::new(Metrics::new())).unwrap()
 }
 
 fn body(model: &str, tokens: &[u32]) -> Vec<u8> {
@@ -35,9 +35,10 @@ fn parts<'a>(tenant: &'a [&'a [u8]], body: &'a [u8]) -> RequestParts<'a> {
 }
 
 /// Stores 4 blocks of `tokens` for `tenant` on `holder`.
-fn store(r: &Router, holder: WorkerId, tokens: &[u32], tenant: &str) {
+fn store(r: &Picker, holder: WorkerId, tokens: &[u32], tenant: &str) {
     let hashes: Vec<EngineBlockHash> = (1..=4).map(EngineBlockHash).collect();
-    r.index("m")
+    r.models
+        .index("m")
         .unwrap()
         .store(
             &holder,
@@ -57,12 +58,12 @@ fn bookings_release_exactly_once_on_drop() {
     let r = router("");
     let a = decide(&r, &RequestParts::default()).unwrap();
     let b = decide(&r, &RequestParts::default()).unwrap();
-    assert_eq!(r.total_inflight(), 2);
+    assert_eq!(r.workers.total_inflight(), 2);
     assert_ne!(a.pick, b.pick, "load spreads");
     drop(a);
-    assert_eq!(r.total_inflight(), 1);
+    assert_eq!(r.workers.total_inflight(), 1);
     drop(b);
-    assert_eq!(r.total_inflight(), 0);
+    assert_eq!(r.workers.total_inflight(), 0);
 }
 
 #[test]
@@ -122,7 +123,7 @@ fn explain_is_the_same_decision_without_a_booking() {
     let b = body("m", &tokens);
     let e = explain(&r, &parts(&[b"tenant-a"], &b)).unwrap();
     assert!(e.booking.is_none());
-    assert_eq!(r.total_inflight(), 0, "explaining books nothing");
+    assert_eq!(r.workers.total_inflight(), 0, "explaining books nothing");
     let d = decide(&r, &parts(&[b"tenant-a"], &b)).unwrap();
     assert_eq!(e.pick, d.pick);
     assert_eq!(e.request.tokens, d.request.tokens);
@@ -206,7 +207,7 @@ fn refusals_in_pipeline_order() {
 workers: [{endpoint: '10.0.0.1:8000', model: m}]",
     )
     .unwrap();
-    let r = Router::new(&c, Arc::new(Metrics::new()));
+    let r = c.picker(Arc::new(Metrics::new())).unwrap();
     type Case<'a> = (&'a [u8], &'a [&'a [u8]], &'a str);
     let cases: Vec<Case> = vec![
         (b"not json", &[], "rejected_bad_request"),

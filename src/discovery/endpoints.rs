@@ -67,7 +67,7 @@ pub(super) fn desired<'a>(
                     let id = WorkerId::with_rank(SocketAddr::new(ip, *port), rank);
                     workers
                         .entry(id)
-                        .or_insert_with(|| DesiredWorker::from_config(config, id, model, None));
+                        .or_insert_with(|| config.desired_worker(id, model, None));
                 }
             }
             Ok(None) => {}

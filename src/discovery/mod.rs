@@ -28,6 +28,7 @@ use std::sync::Arc;
 
 use crate::config::Config;
 use crate::membership::Membership;
+use crate::metrics::Metrics;
 use crate::readiness::Readiness;
 
 /// The readiness condition discovery drives.
@@ -59,8 +60,13 @@ pub async fn client_for(kubeconfig: Option<&Path>) -> Result<kube::Client, Strin
 /// condition [`READINESS_CONDITION`] true while the API is watched (false before the first
 /// complete list, while the pool does not exist, and after `pool.api_unreachable_timeout_ms` of
 /// failed watches; the last known workers are kept meanwhile).
-pub async fn run(config: Config, membership: Arc<Membership>, readiness: Readiness) {
-    watch::Discovery::new(config, membership, readiness)
+pub async fn run(
+    config: Config,
+    membership: Arc<Membership>,
+    readiness: Readiness,
+    metrics: Arc<Metrics>,
+) {
+    watch::Discovery::new(config, membership, readiness, metrics)
         .run()
         .await;
 }

@@ -30,6 +30,7 @@ pub(super) struct Discovery {
     config: Config,
     membership: Arc<Membership>,
     readiness: Readiness,
+    metrics: Arc<Metrics>,
     api: PoolApi,
     /// The last valid pool seen (`None`: not found, or never valid).
     pool: Option<PoolSpec>,
@@ -57,12 +58,18 @@ struct Session {
 
 impl Discovery {
     /// Discovery for `config.pool`, feeding `membership` and `readiness`.
-    pub(super) fn new(config: Config, membership: Arc<Membership>, readiness: Readiness) -> Self {
+    pub(super) fn new(
+        config: Config,
+        membership: Arc<Membership>,
+        readiness: Readiness,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         let api = PoolApi::first(config.pool.api_version);
         Discovery {
             config,
             membership,
             readiness,
+            metrics,
             api,
             pool: None,
             synced: false,
@@ -206,7 +213,7 @@ impl Discovery {
     /// every reconcile).
     fn count_skipped(&mut self, skipped: Vec<(String, endpoints::SkipReason)>) {
         use endpoints::SkipReason::*;
-        let gauge = &self.membership.router().metrics().discovery_skipped_pods;
+        let gauge = &self.metrics.discovery_skipped_pods;
         for reason in [BadIp, NoModelLabel, UnknownModel] {
             let n = skipped.iter().filter(|(_, r)| *r == reason).count();
             gauge

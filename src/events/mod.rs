@@ -17,12 +17,28 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
 use tokio::task::JoinHandle;
 
 use crate::engine_event::EventCounters;
 use crate::index::KvIndex;
 use crate::worker::WorkerId;
 use subscriber::{Feed, FeedEndpoints, FeedStatus};
+
+/// Which event protocol the workers speak.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EventEngine {
+    /// vLLM over ZeroMQ.
+    #[default]
+    Vllm,
+    /// SGLang: vLLM-shaped ZeroMQ events without salts (salted tenants get no credit from them).
+    Sglang,
+    /// TensorRT-LLM's `POST /kv_cache_events` drain, polled.
+    Trtllm,
+    /// No events: route on load alone.
+    None,
+}
 
 /// One running feed and its task.
 struct Running {

@@ -15,20 +15,25 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::decide::Picker;
 use crate::metrics::Metrics;
-use crate::router::Router;
 use stream::{StreamHandler, StreamOptions};
 
 /// The ext_proc service.
 pub struct ExtProcService {
-    router: Arc<Router>,
+    picker: Arc<Picker>,
+    metrics: Arc<Metrics>,
     opts: StreamOptions,
 }
 
 impl ExtProcService {
-    /// A service routing through `router`.
-    pub fn new(router: Arc<Router>, opts: StreamOptions) -> Self {
-        ExtProcService { router, opts }
+    /// A service deciding with `picker`, counting in `metrics`.
+    pub fn new(picker: Arc<Picker>, metrics: Arc<Metrics>, opts: StreamOptions) -> Self {
+        ExtProcService {
+            picker,
+            metrics,
+            opts,
+        }
     }
 }
 
@@ -44,8 +49,9 @@ impl ExternalProcessor for ExtProcService {
     ) -> Result<Response<Self::ProcessStream>, Status> {
         let mut inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(32);
-        let mut handler = StreamHandler::new(self.router.clone(), self.opts.clone());
-        let metrics = self.router.metrics().clone();
+        let mut handler =
+            StreamHandler::new(self.picker.clone(), self.metrics.clone(), self.opts.clone());
+        let metrics = self.metrics.clone();
         tokio::spawn(async move {
             loop {
                 let msg = match inbound.message().await {

@@ -14,7 +14,7 @@
 //! decision), so whatever ends the stream (response end, client abort, Envoy reset, error) drops
 //! the handler and releases the booking exactly once.
 //!
-//! [`Booking`]: crate::router::Booking
+//! [`Booking`]: crate::workers::Booking
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -29,9 +29,8 @@ use envoy_types::pb::google::protobuf::value::Kind;
 
 use super::messages::{self, DESTINATION, LB_NAMESPACE, Phase};
 use super::usage::UsageScanner;
-use crate::decide::{self, Decision, ROUTED, Reject, RequestParts, TOKENIZE_FAILED};
+use crate::decide::{self, Decision, Picker, ROUTED, Reject, RequestParts, TOKENIZE_FAILED};
 use crate::metrics::Metrics;
-use crate::router::Router;
 use crate::salt::TENANT_HEADER;
 
 /// Options of the stream handler (from the configuration).
@@ -104,7 +103,8 @@ pub struct ProtocolError(pub String);
 
 /// The handler of one stream.
 pub struct StreamHandler {
-    router: Arc<Router>,
+    picker: Arc<Picker>,
+    metrics: Arc<Metrics>,
     opts: StreamOptions,
     request_mode: BodyMode,
     response_mode: BodyMode,
@@ -112,10 +112,11 @@ pub struct StreamHandler {
 }
 
 impl StreamHandler {
-    /// A handler for a new stream.
-    pub fn new(router: Arc<Router>, opts: StreamOptions) -> Self {
+    /// A handler for a new stream deciding with `picker`, counting in `metrics`.
+    pub fn new(picker: Arc<Picker>, metrics: Arc<Metrics>, opts: StreamOptions) -> Self {
         StreamHandler {
-            router,
+            picker,
+            metrics,
             opts,
             request_mode: BodyMode::FullDuplex,
             response_mode: BodyMode::FullDuplex,
@@ -325,7 +326,7 @@ impl StreamHandler {
         body_ends: bool,
     ) -> (State, Vec<ProcessingResponse>) {
         let started = Instant::now();
-        let metrics = self.router.metrics().clone();
+        let metrics = self.metrics.clone();
         let tenant: Vec<&[u8]> = head.tenant.iter().map(Vec::as_slice).collect();
         let parts = RequestParts {
             path: &head.path,
@@ -334,7 +335,7 @@ impl StreamHandler {
             subset: head.subset.as_deref(),
             conformance: head.conformance_ips.as_deref(),
         };
-        let mut decision = match decide::decide(&self.router, &parts) {
+        let mut decision = match decide::decide(&self.picker, &parts) {
             Ok(d) => d,
             Err(reject) => return self.refuse(&reject),
         };
@@ -411,9 +412,7 @@ impl StreamHandler {
 
     /// Counts a refusal and answers it with a local reply.
     fn refuse(&self, reject: &Reject) -> (State, Vec<ProcessingResponse>) {
-        self.router
-            .metrics()
-            .request(reject.model_label(), reject.outcome());
+        self.metrics.request(reject.model_label(), reject.outcome());
         let extra = if reject.retry_later() {
             vec![messages::set_header(
                 "retry-after",
@@ -452,7 +451,7 @@ impl StreamHandler {
         if let Some(served) = &served {
             let picked = decision.pick.endpoint.to_string();
             if *served != picked {
-                self.router.metrics().served_mismatch.inc();
+                self.metrics.served_mismatch.inc();
             }
             if self.opts.conformance_hooks {
                 set.push(messages::set_header(CONFORMANCE_SERVED, served.as_bytes()));
@@ -480,7 +479,7 @@ impl StreamHandler {
     fn record_usage(&self, decision: &Decision, scanner: UsageScanner) {
         let Some(u) = scanner.finish() else { return };
         let model = decision.model_label();
-        let m = self.router.metrics();
+        let m = &self.metrics;
         for (kind, n) in [
             ("prompt", u.prompt_tokens),
             ("completion", u.completion_tokens),

@@ -242,7 +242,7 @@ pub async fn probe_loop(state: Arc<ReplicaState>) {
         let ready = table.values().filter(|p| p.ready).count() as i64;
         let starting = table.len() as i64 - ready;
         drop(table);
-        let g = &state.router.metrics().replica_peers;
+        let g = &state.metrics.replica_peers;
         g.get_or_create(&Metrics::labels(&[("state", "ready")]))
             .set(ready);
         g.get_or_create(&Metrics::labels(&[("state", "starting")]))

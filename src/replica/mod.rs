@@ -34,8 +34,8 @@ use crate::config::PeersConfig;
 use crate::events::Feeds;
 use crate::metrics::Metrics;
 use crate::readiness::Readiness;
-use crate::router::Router;
 use crate::worker::WorkerId;
+use crate::workers::Workers;
 use members::Members;
 use relay::RelayHub;
 
@@ -73,8 +73,10 @@ pub struct ReplicaState {
     pub instance: u64,
     /// The index is complete: bootstrapped, or started empty on purpose.
     ready: AtomicBool,
-    /// The router whose indexes are replicated.
-    pub router: Arc<Router>,
+    /// The live workers, whose indexes are replicated.
+    pub workers: Arc<Workers>,
+    /// Where replication is counted.
+    pub metrics: Arc<Metrics>,
     /// The event feeds.
     pub feeds: Arc<Feeds>,
     /// Settings.
@@ -95,7 +97,8 @@ impl ReplicaState {
     /// New replica state. `token`: the shared peer token, if any. Call before any feed starts:
     /// it holds feeds back until the bootstrap and leaves single-reader sources to their owner.
     pub fn new(
-        router: Arc<Router>,
+        workers: Arc<Workers>,
+        metrics: Arc<Metrics>,
         feeds: Arc<Feeds>,
         config: PeersConfig,
         token: Option<String>,
@@ -126,10 +129,11 @@ impl ReplicaState {
         readiness.set(BOOTSTRAP, false, "copying the index from a peer");
         feeds.hold();
         feeds.set_owned_elsewhere();
-        let counters = ReplicaCounters::new(router.metrics());
+        let counters = ReplicaCounters::new(&metrics);
         let hub = Arc::new(RelayHub::new(
             instance,
-            router.clone(),
+            workers.clone(),
+            &metrics,
             feeds.counters().clone(),
             config.relay_log_batches,
             config.relay_log_bytes,
@@ -138,7 +142,8 @@ impl ReplicaState {
         Ok(Arc::new(ReplicaState {
             instance,
             ready: AtomicBool::new(false),
-            router,
+            workers,
+            metrics,
             feeds,
             members: Members::new(instance, &config),
             config,
@@ -157,7 +162,7 @@ impl ReplicaState {
 
     fn set_ready(&self) {
         self.ready.store(true, Ordering::Release);
-        self.router.metrics().replica_ready.set(1);
+        self.metrics.replica_ready.set(1);
         self.readiness.set(BOOTSTRAP, true, "");
     }
 

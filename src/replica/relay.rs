@@ -42,8 +42,8 @@ use crate::events::trtllm::EventSink;
 use crate::hashing::HashSeed;
 use crate::index::{EngineBlockHash, Medium};
 use crate::metrics::Metrics;
-use crate::router::Router;
 use crate::worker::WorkerId;
+use crate::workers::Workers;
 use prometheus_client::metrics::counter::Counter;
 
 /// Counters of the relay: `kv_epp_replica_relay_batches{kind}`, also shown by `/debug/replica`.
@@ -104,7 +104,7 @@ struct HubState {
 /// The relay: this replica's log and what it applied from others.
 pub struct RelayHub {
     instance: u64,
-    router: Arc<Router>,
+    workers: Arc<Workers>,
     cap: usize,
     cap_bytes: usize,
     max_batch_bytes: usize,
@@ -133,16 +133,17 @@ impl RelayHub {
     /// at most `max_batch_bytes` encoded. Events it applies are counted in `events`.
     pub fn new(
         instance: u64,
-        router: Arc<Router>,
+        workers: Arc<Workers>,
+        metrics: &Metrics,
         events: Arc<EventCounters>,
         cap: usize,
         cap_bytes: usize,
         max_batch_bytes: usize,
     ) -> RelayHub {
-        let counters = RelayCounters::new(router.metrics());
+        let counters = RelayCounters::new(metrics);
         RelayHub {
             instance,
-            router,
+            workers,
             cap: cap.max(1),
             cap_bytes,
             max_batch_bytes: max_batch_bytes.max(1024),
@@ -194,7 +195,7 @@ impl RelayHub {
     /// Applies one drain of a source this replica owns and appends it to the log (split into
     /// batches that fit a peer message).
     pub fn originate(&self, worker: &WorkerId, events: Vec<EngineEvent>) {
-        let Some((model, index)) = self.router.worker_index(worker) else {
+        let Some((model, index)) = self.workers.worker_index(worker) else {
             self.counters.unplaced.inc();
             return;
         };
@@ -285,7 +286,7 @@ impl RelayHub {
                 if mine.contains(&w) {
                     continue;
                 }
-                if let Some((_, index)) = self.router.worker_index(&w) {
+                if let Some((_, index)) = self.workers.worker_index(&w) {
                     let _ = index.clear_worker(&w);
                 }
             }
@@ -340,7 +341,7 @@ impl RelayHub {
     fn place(&self, b: &pb::RelayBatch) -> Option<(WorkerId, Arc<crate::index::KvIndex>)> {
         let endpoint: SocketAddr = b.endpoint.parse().ok()?;
         let worker = WorkerId::with_rank(endpoint, b.dp_rank);
-        let (model, index) = self.router.worker_index(&worker)?;
+        let (model, index) = self.workers.worker_index(&worker)?;
         (model == b.model).then_some((worker, index))
     }
 }

@@ -58,7 +58,7 @@ pub fn serve(
             let copies: Vec<_> = single
                 .iter()
                 .filter_map(|w| {
-                    let (model, index) = state.router.worker_index(w)?;
+                    let (model, index) = state.workers.worker_index(w)?;
                     Some((*w, model, index.export_worker(w).ok()?))
                 })
                 .collect();
@@ -70,12 +70,12 @@ pub fn serve(
                 return;
             }
         }
-        for rt in state.router.workers() {
+        for rt in state.workers.all() {
             let w = rt.id;
             if single.contains(&w) {
                 continue;
             }
-            let Some((model, index)) = state.router.worker_index(&w) else {
+            let Some((model, index)) = state.workers.worker_index(&w) else {
                 continue;
             };
             let copied = match state.feeds.feed(&w) {
@@ -210,8 +210,11 @@ async fn fetch_into(
                         .map_err(|_| format!("bad worker endpoint `{}`", h.endpoint))?,
                     h.dp_rank,
                 );
-                let runs = state.router.model_of(&id).as_deref() == Some(h.model.as_str());
-                let index = state.router.index(&h.model).cloned().filter(|_| runs);
+                let index = state
+                    .workers
+                    .worker_index(&id)
+                    .filter(|(model, _)| *model == h.model)
+                    .map(|(_, index)| index);
                 let Some(index) = index else {
                     tracing::warn!(worker = %id, model = %h.model, "snapshot names a worker this replica does not run; skipped");
                     current = Some(Current {

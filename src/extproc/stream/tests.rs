@@ -14,13 +14,37 @@ use super::*;
 use crate::config::Config;
 use crate::metrics::Metrics;
 
-fn router(extra: &str) -> Arc<Router> {
+/// Two workers of model `m`, and the metrics handlers count into.
+struct Rig {
+    picker: Arc<Picker>,
+    metrics: Arc<Metrics>,
+}
+
+impl Rig {
+    fn handler(&self) -> StreamHandler {
+        self.handler_with(opts())
+    }
+
+    fn handler_with(&self, opts: StreamOptions) -> StreamHandler {
+        StreamHandler::new(self.picker.clone(), self.metrics.clone(), opts)
+    }
+
+    fn total_inflight(&self) -> u64 {
+        self.picker.workers.total_inflight()
+    }
+}
+
+fn router(extra: &str) -> Rig {
     let yaml = format!(
         "models: [{{name: m, block_size: 4}}]\nworkers: [{{endpoint: '10.0.0.1:8000', model: m}}, {{endpoint: '10.0.0.2:8000', model: m}}]\n{extra}"
     );
     let c = Config::from_yaml(&yaml).unwrap();
     c.validate().unwrap();
-    Arc::new(Router::new(&c, Arc::new(Metrics::new())))
+    let metrics = Arc::new(Metrics::new());
+    Rig {
+        picker: Arc::new(c.picker(metrics.clone()).unwrap()),
+        metrics,
+    }
 }
 
 fn opts() -> StreamOptions {
@@ -142,7 +166,7 @@ fn immediate_status(out: &[ProcessingResponse]) -> Option<Immediate> {
 #[test]
 fn full_duplex_waits_for_the_body_then_routes_and_echoes_it() {
     let r = router("");
-    let mut h = StreamHandler::new(r.clone(), opts());
+    let mut h = r.handler();
     let out = h
         .on_message(headers(
             &[
@@ -186,7 +210,7 @@ fn full_duplex_waits_for_the_body_then_routes_and_echoes_it() {
 #[test]
 fn buffered_answers_headers_at_once_and_routes_on_the_body() {
     let r = router("");
-    let mut h = StreamHandler::new(r.clone(), opts());
+    let mut h = r.handler();
     let out = h
         .on_message(headers(&[(":path", "/v1/completions")], false, BUFFERED))
         .unwrap();
@@ -208,7 +232,7 @@ fn buffered_answers_headers_at_once_and_routes_on_the_body() {
 #[test]
 fn bodyless_requests_route_on_load_alone() {
     let r = router("");
-    let mut h = StreamHandler::new(r.clone(), opts());
+    let mut h = r.handler();
     let out = h
         .on_message(headers(&[(":path", "/v1/models")], true, FULL_DUPLEX))
         .unwrap();
@@ -237,7 +261,7 @@ fn rejections_carry_status_and_reason() {
     ];
     for (extra, payload, status, needle) in cases {
         let r = router(extra);
-        let mut h = StreamHandler::new(r.clone(), opts());
+        let mut h = r.handler();
         h.on_message(headers(&[], false, FULL_DUPLEX)).unwrap();
         let out = h.on_message(body(payload, true)).unwrap();
         let (code, text, _) = immediate_status(&out).expect("immediate response");
@@ -249,7 +273,7 @@ fn rejections_carry_status_and_reason() {
     }
     // Over-long salt in the header.
     let r = router("");
-    let mut h = StreamHandler::new(r, opts());
+    let mut h = r.handler();
     let long = "t".repeat(2000);
     h.on_message(headers(&[("x-tenant-id", &long)], false, FULL_DUPLEX))
         .unwrap();
@@ -260,13 +284,10 @@ fn rejections_carry_status_and_reason() {
 #[test]
 fn body_limit_gives_413() {
     let r = router("");
-    let mut h = StreamHandler::new(
-        r,
-        StreamOptions {
-            max_body_bytes: 10,
-            ..opts()
-        },
-    );
+    let mut h = r.handler_with(StreamOptions {
+        max_body_bytes: 10,
+        ..opts()
+    });
     h.on_message(headers(&[], false, FULL_DUPLEX)).unwrap();
     assert!(h.on_message(body(b"0123456", false)).unwrap().is_empty());
     let out = h.on_message(body(b"789ab", false)).unwrap();
@@ -278,9 +299,9 @@ fn body_limit_gives_413() {
 #[test]
 fn saturation_gives_429_with_retry_after() {
     let r = router("routing: {max_inflight_per_worker: 1}");
-    let mut a = StreamHandler::new(r.clone(), opts());
-    let mut b = StreamHandler::new(r.clone(), opts());
-    let mut c = StreamHandler::new(r.clone(), opts());
+    let mut a = r.handler();
+    let mut b = r.handler();
+    let mut c = r.handler();
     for h in [&mut a, &mut b] {
         let out = h.on_message(headers(&[], true, FULL_DUPLEX)).unwrap();
         assert!(!routing_of(&out).0.is_empty());
@@ -294,7 +315,7 @@ fn saturation_gives_429_with_retry_after() {
         "rejected-saturated".into()
     )));
     drop(a);
-    let mut d = StreamHandler::new(r.clone(), opts());
+    let mut d = r.handler();
     assert!(
         !routing_of(&d.on_message(headers(&[], true, FULL_DUPLEX)).unwrap())
             .0
@@ -331,14 +352,14 @@ fn subset_hint_restricts_and_empty_subset_is_503() {
     };
     for v in [string, list] {
         for _ in 0..4 {
-            let mut h = StreamHandler::new(r.clone(), opts());
+            let mut h = r.handler();
             let out = h
                 .on_message(with_subset(headers(&[], true, FULL_DUPLEX), v.clone()))
                 .unwrap();
             assert_eq!(routing_of(&out).0, "10.0.0.2:8000");
         }
     }
-    let mut h = StreamHandler::new(r.clone(), opts());
+    let mut h = r.handler();
     let empty = Value {
         kind: Some(Kind::ListValue(ListValue { values: vec![] })),
     };
@@ -351,7 +372,7 @@ fn subset_hint_restricts_and_empty_subset_is_503() {
 #[test]
 fn conformance_selection_and_served_echo() {
     let r = router("");
-    let mut h = StreamHandler::new(r.clone(), opts());
+    let mut h = r.handler();
     let out = h
         .on_message(headers(
             &[("test-epp-endpoint-selection", "10.0.0.2,10.0.0.1")],
@@ -404,7 +425,7 @@ fn conformance_selection_and_served_echo() {
 #[test]
 fn response_body_is_echoed_and_usage_counted() {
     let r = router("");
-    let mut h = StreamHandler::new(r.clone(), opts());
+    let mut h = r.handler();
     h.on_message(headers(&[], false, FULL_DUPLEX)).unwrap();
     h.on_message(body(br#"{"model":"m","prompt":[1,2,3,4]}"#, true))
         .unwrap();
@@ -450,7 +471,7 @@ fn response_body_is_echoed_and_usage_counted() {
         }
     }
     assert_eq!(echoed, sse);
-    let text = r.metrics().encode();
+    let text = r.metrics.encode();
     assert!(
         text.contains("kv_epp_usage_tokens_total{model=\"m\",kind=\"completion\"} 9"),
         "{text}"
@@ -470,7 +491,7 @@ fn response_body_is_echoed_and_usage_counted() {
 #[test]
 fn out_of_order_messages_are_protocol_errors() {
     let r = router("");
-    let mut h = StreamHandler::new(r, opts());
+    let mut h = r.handler();
     let err = h.on_message(body(b"{}", true)).unwrap_err();
     assert!(
         err.to_string()

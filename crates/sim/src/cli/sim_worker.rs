@@ -174,16 +174,28 @@ fn tokenize_hook(args: &SimWorkerArgs) -> Result<Option<kv_epp_sim::api::Tokeniz
     if config.models.iter().all(|m| m.tokenizer.is_none()) {
         return Ok(None);
     }
-    let catalog = std::sync::Arc::new(config.load_tokenizers().map_err(|e| e.to_string())?);
+    let models = std::sync::Arc::new(config.served_models().map_err(|e| e.to_string())?);
     Ok(Some(std::sync::Arc::new(
         move |body: &[u8], endpoint: kv_epp_sim::api::Endpoint| {
-            let endpoint = match endpoint {
-                kv_epp_sim::api::Endpoint::Chat => kv_epp_tokenize::Endpoint::ChatCompletions,
-                kv_epp_sim::api::Endpoint::Completions => kv_epp_tokenize::Endpoint::Completions,
+            let (endpoint, path) = match endpoint {
+                kv_epp_sim::api::Endpoint::Chat => (
+                    kv_epp_tokenize::Endpoint::ChatCompletions,
+                    "/v1/chat/completions",
+                ),
+                kv_epp_sim::api::Endpoint::Completions => {
+                    (kv_epp_tokenize::Endpoint::Completions, "/v1/completions")
+                }
             };
-            catalog
-                .tokenize(endpoint, body)
-                .map(|t| t.token_ids)
+            let model = kv_epp_tokenize::parse_request(endpoint, body)
+                .map_err(|e| e.to_string())?
+                .model;
+            let served = models
+                .resolve(&model)
+                .ok_or_else(|| format!("model `{model}` is not served here"))?;
+            served
+                .model
+                .tokenize(path, body)
+                .ok_or_else(|| format!("model `{model}` has no tokenizer"))?
                 .map_err(|e| e.to_string())
         },
     )))

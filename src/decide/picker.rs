@@ -1,0 +1,85 @@
+//! What the pipeline decides with: the served models, the live workers and the policy, each
+//! owned by its own module and shared here by reference.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::{Deserialize, Serialize};
+
+use crate::fingerprint::FingerprintKey;
+use crate::models::ServedModels;
+use crate::salt::SaltPolicy;
+use crate::scoring::ScoringConfig;
+use crate::workers::Workers;
+
+/// What to do with a request for a model that is not configured.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnknownModel {
+    /// Route on load alone among every ready worker.
+    #[default]
+    LoadOnly,
+    /// Answer 404 with a JSON error.
+    Reject,
+}
+
+/// How decisions are made, as the operator configured it.
+#[derive(Clone)]
+pub struct Policy {
+    /// Cost weights, temperature and fallback count.
+    pub scoring: ScoringConfig,
+    /// Requests in flight per worker before it counts as saturated (`None`: unlimited).
+    pub max_inflight: Option<u32>,
+    /// What to do with a model that is not served.
+    pub unknown_model: UnknownModel,
+    /// Which salt sources are trusted, and whether a salt is required.
+    pub salt: SaltPolicy,
+    /// The key salts are fingerprinted under (the same on every replica makes logs comparable).
+    pub fingerprints: FingerprintKey,
+}
+
+impl std::fmt::Debug for Policy {
+    // The fingerprint key is a secret: never shown.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Policy")
+            .field("scoring", &self.scoring)
+            .field("max_inflight", &self.max_inflight)
+            .field("unknown_model", &self.unknown_model)
+            .field("salt", &self.salt)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The pipeline's inputs that outlive a request.
+pub struct Picker {
+    /// The served models.
+    pub models: Arc<ServedModels>,
+    /// The live workers.
+    pub workers: Arc<Workers>,
+    /// The policy.
+    pub policy: Policy,
+    decisions: AtomicU64,
+}
+
+impl Picker {
+    /// A picker over `models` and `workers` under `policy`.
+    pub fn new(models: Arc<ServedModels>, workers: Arc<Workers>, policy: Policy) -> Picker {
+        Picker {
+            models,
+            workers,
+            policy,
+            decisions: AtomicU64::new(0),
+        }
+    }
+
+    /// The number of this decision: spreads prompt-less requests and seeds sampling. A decision
+    /// that books advances the count; an explanation reads the number the next one would get,
+    /// so explaining changes nothing.
+    pub(super) fn decision_number(&self, advance: bool) -> u64 {
+        if advance {
+            self.decisions.fetch_add(1, Ordering::Relaxed)
+        } else {
+            self.decisions.load(Ordering::Relaxed)
+        }
+    }
+}

@@ -1,0 +1,212 @@
+//! The workers' runtime: which workers are live, whether each may take traffic, the requests
+//! kv-epp has in flight on it, and the load its engine reports.
+//!
+//! Load accounting cannot leak: a decision holds a [`Booking`] that takes one in-flight slot on
+//! the chosen worker and gives it back when dropped, exactly once, whatever ends the request.
+//! A worker joins and leaves its model's index together with this list, so the index never
+//! credits a worker routing does not know.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+
+use parking_lot::RwLock;
+
+use crate::index::KvIndex;
+use crate::metrics::Metrics;
+use crate::scoring::EngineLoad;
+use crate::worker::WorkerId;
+
+/// Live state of one worker.
+pub struct WorkerRuntime {
+    /// The worker.
+    pub id: WorkerId,
+    /// The model it serves.
+    pub model: String,
+    /// Its model's index (`None`: a model kv-epp does not serve).
+    index: Option<Arc<KvIndex>>,
+    inflight: AtomicU32,
+    ready: AtomicBool,
+    engine: RwLock<Option<EngineLoad>>,
+}
+
+impl WorkerRuntime {
+    /// Requests kv-epp has in flight on this worker.
+    pub fn inflight(&self) -> u32 {
+        self.inflight.load(Ordering::Relaxed)
+    }
+    /// Whether the worker may receive traffic.
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Relaxed)
+    }
+    /// Marks the worker ready or not.
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.store(ready, Ordering::Relaxed);
+    }
+    /// The engine-reported load in use (`None` when stale or unknown).
+    pub fn engine_load(&self) -> Option<EngineLoad> {
+        *self.engine.read()
+    }
+    /// Records fresh engine-reported load (`None` when stale or unknown).
+    pub fn set_engine_load(&self, load: Option<EngineLoad>) {
+        *self.engine.write() = load;
+    }
+    /// Its model's index, when the model is served.
+    pub fn index(&self) -> Option<&Arc<KvIndex>> {
+        self.index.as_ref()
+    }
+}
+
+/// One in-flight slot on a worker, released on drop.
+pub struct Booking {
+    worker: Arc<WorkerRuntime>,
+    metrics: Arc<Metrics>,
+}
+
+impl Booking {
+    fn new(worker: Arc<WorkerRuntime>, metrics: Arc<Metrics>) -> Booking {
+        let n = worker.inflight.fetch_add(1, Ordering::Relaxed) + 1;
+        metrics
+            .inflight
+            .get_or_create(&Metrics::labels(&[("worker", &worker.id.to_string())]))
+            .set(i64::from(n));
+        Booking { worker, metrics }
+    }
+
+    /// The booked worker.
+    pub fn worker(&self) -> &WorkerId {
+        &self.worker.id
+    }
+}
+
+impl Drop for Booking {
+    fn drop(&mut self) {
+        let n = self.worker.inflight.fetch_sub(1, Ordering::Relaxed) - 1;
+        self.metrics
+            .inflight
+            .get_or_create(&Metrics::labels(&[("worker", &self.worker.id.to_string())]))
+            .set(i64::from(n));
+    }
+}
+
+impl std::fmt::Debug for Booking {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Booking({})", self.worker.id)
+    }
+}
+
+/// The live workers.
+pub struct Workers {
+    list: RwLock<Vec<Arc<WorkerRuntime>>>,
+    metrics: Arc<Metrics>,
+}
+
+impl Workers {
+    /// No workers yet; bookings are counted in `metrics`.
+    pub fn new(metrics: Arc<Metrics>) -> Workers {
+        Workers {
+            list: RwLock::new(Vec::new()),
+            metrics,
+        }
+    }
+
+    /// Adds a worker of `model` (registering it in `index`, its model's index), ready at once;
+    /// a worker already present is only marked ready again.
+    pub fn add(&self, id: WorkerId, model: &str, index: Option<Arc<KvIndex>>) {
+        let mut list = self.list.write();
+        if let Some(w) = list.iter().find(|w| w.id == id) {
+            w.set_ready(true);
+            return;
+        }
+        if let Some(index) = &index {
+            index.add_worker(id);
+        }
+        list.push(Arc::new(WorkerRuntime {
+            id,
+            model: model.to_owned(),
+            index,
+            inflight: AtomicU32::new(0),
+            ready: AtomicBool::new(true),
+            engine: RwLock::new(None),
+        }));
+    }
+
+    /// Removes a worker from routing and drops its index state. In-flight bookings on it finish
+    /// normally.
+    pub fn remove(&self, id: &WorkerId) {
+        let mut list = self.list.write();
+        if let Some(pos) = list.iter().position(|w| w.id == *id) {
+            let w = list.remove(pos);
+            if let Some(index) = &w.index {
+                index.remove_worker(id);
+            }
+        }
+    }
+
+    /// One worker's state.
+    pub fn get(&self, id: &WorkerId) -> Option<Arc<WorkerRuntime>> {
+        self.list.read().iter().find(|w| w.id == *id).cloned()
+    }
+
+    /// The model a worker serves, if it is live.
+    pub fn model_of(&self, id: &WorkerId) -> Option<String> {
+        self.get(id).map(|w| w.model.clone())
+    }
+
+    /// A live worker's model and that model's index.
+    pub fn worker_index(&self, id: &WorkerId) -> Option<(String, Arc<KvIndex>)> {
+        let w = self.get(id)?;
+        Some((w.model.clone(), w.index.clone()?))
+    }
+
+    /// The live workers.
+    pub fn all(&self) -> Vec<Arc<WorkerRuntime>> {
+        self.list.read().clone()
+    }
+
+    /// Runs `f` over the live workers under the read lock (no copy of the list per request).
+    pub fn with<R>(&self, f: impl FnOnce(&[Arc<WorkerRuntime>]) -> R) -> R {
+        f(&self.list.read())
+    }
+
+    /// Total in-flight bookings (0 when every stream has ended).
+    pub fn total_inflight(&self) -> u64 {
+        self.list
+            .read()
+            .iter()
+            .map(|w| u64::from(w.inflight()))
+            .sum()
+    }
+
+    /// Books one in-flight slot on `worker`, released when the booking drops.
+    pub fn book(&self, worker: &Arc<WorkerRuntime>) -> Booking {
+        Booking::new(worker.clone(), self.metrics.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::index::IndexLimits;
+
+    #[test]
+    fn bookings_release_exactly_once_and_workers_leave_their_index() {
+        let index = Arc::new(KvIndex::new(4, IndexLimits::default()));
+        let workers = Workers::new(Arc::new(Metrics::new()));
+        let id: WorkerId = "10.0.0.1:8000".parse().unwrap();
+        workers.add(id, "m", Some(index.clone()));
+        assert_eq!(index.workers(), vec![id]);
+        let w = workers.get(&id).unwrap();
+        let (a, b) = (workers.book(&w), workers.book(&w));
+        assert_eq!(workers.total_inflight(), 2);
+        drop(a);
+        assert_eq!(w.inflight(), 1);
+        workers.remove(&id);
+        assert!(index.workers().is_empty() && workers.get(&id).is_none());
+        drop(b);
+        assert_eq!(
+            w.inflight(),
+            0,
+            "a booking on a removed worker still releases"
+        );
+    }
+}

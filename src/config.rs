@@ -13,12 +13,15 @@ use std::time::Duration;
 
 pub use crate::decide::UnknownModel;
 use crate::decide::{Picker, Policy};
+use crate::discovery::DiscoverySettings;
+pub use crate::discovery::{DEFAULT_MODEL_LABEL, PoolApiVersion, PoolConfig};
 pub use crate::events::EventEngine;
 use crate::fingerprint::FingerprintKey;
 use crate::index::IndexLimits;
 use crate::membership::{DesiredWorker, MembershipSettings};
 use crate::metrics::Metrics;
 use crate::models::{ModelSettings, ServedModels};
+pub use crate::replica::PeersConfig;
 use crate::salt::{SaltPolicy, SaltSource};
 use crate::scoring::ScoringConfig;
 use crate::worker::WorkerId;
@@ -50,64 +53,6 @@ pub struct Config {
     pub engine_metrics: EngineMetricsConfig,
     /// Other kv-epp replicas (see `PeersConfig`).
     pub peers: PeersConfig,
-}
-
-/// Other replicas of this picker (see `ARCHITECTURE.md`, "Replicas"). Every replica subscribes
-/// to every worker's event stream itself; peers serve a joining replica a snapshot of the index
-/// and relay the events of single-reader sources (TensorRT-LLM) that only one replica polls.
-/// Replication is on when any of `static_peers`, `dns` or `service` is set.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct PeersConfig {
-    /// The Kubernetes Service whose EndpointSlices list the replicas (in `pool.namespace`).
-    pub service: Option<String>,
-    /// Peer API addresses (`host:port`), this replica's own included or not.
-    pub static_peers: Vec<String>,
-    /// A DNS name (`host:port`, e.g. a headless Service) whose addresses are the replicas.
-    pub dns: Option<String>,
-    /// The peer API port (`--peer-port`).
-    pub port: u16,
-    /// File holding the shared token peers present (`--peer-token-file`); without one the peer
-    /// API is unauthenticated (a warning is logged).
-    pub token_file: Option<PathBuf>,
-    /// How long a starting replica waits for a ready peer to bootstrap from before it starts
-    /// with an empty index.
-    pub bootstrap_timeout_ms: u64,
-    /// How often peers are probed; a peer that missed three probes is not ready.
-    pub probe_interval_ms: u64,
-    /// Largest peer API message accepted or sent.
-    pub max_message_bytes: usize,
-    /// Block entries per snapshot chunk.
-    pub snapshot_chunk_blocks: u32,
-    /// Relayed batches a replica keeps for peers that reconnect.
-    pub relay_log_batches: usize,
-    /// ...and at most this many encoded bytes of them.
-    pub relay_log_bytes: usize,
-}
-
-impl Default for PeersConfig {
-    fn default() -> Self {
-        PeersConfig {
-            service: None,
-            static_peers: Vec::new(),
-            dns: None,
-            port: 9004,
-            token_file: None,
-            bootstrap_timeout_ms: 30_000,
-            probe_interval_ms: 300,
-            max_message_bytes: 4 << 20,
-            snapshot_chunk_blocks: 16_384,
-            relay_log_batches: 65_536,
-            relay_log_bytes: 256 << 20,
-        }
-    }
-}
-
-impl PeersConfig {
-    /// Whether this replica has peers to find.
-    pub fn enabled(&self) -> bool {
-        !self.static_peers.is_empty() || self.dns.is_some() || self.service.is_some()
-    }
 }
 
 /// Scraping each worker's Prometheus `/metrics` for engine-reported load.
@@ -216,60 +161,6 @@ impl Default for ServerConfig {
             cert_path: None,
         }
     }
-}
-
-/// The InferencePool served, and how its workers are discovered.
-///
-/// Discovery runs when `name` is set and `workers` is empty (see [`Config::discovers_workers`]):
-/// the pool's pods that are Ready, not terminating and have an IP become workers, one per
-/// target port (port index = data-parallel rank).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct PoolConfig {
-    /// InferencePool name.
-    pub name: String,
-    /// InferencePool namespace.
-    pub namespace: String,
-    /// Which InferencePool API to watch.
-    pub api_version: PoolApiVersion,
-    /// The pod label naming a discovered worker's model; only read when several models are
-    /// configured (with one model, every pod serves it).
-    pub model_label: String,
-    /// After this long without a working watch of the API, readiness condition `discovery`
-    /// turns false (the last known workers are kept and routed to meanwhile).
-    pub api_unreachable_timeout_ms: u64,
-    /// A kubeconfig file to use instead of the usual inference (`$KUBECONFIG`,
-    /// `~/.kube/config`, then the in-cluster service account).
-    pub kubeconfig: Option<PathBuf>,
-}
-
-/// Default pod label naming a worker's model.
-pub const DEFAULT_MODEL_LABEL: &str = "kv-epp.io/model";
-
-impl Default for PoolConfig {
-    fn default() -> Self {
-        PoolConfig {
-            name: String::new(),
-            namespace: String::new(),
-            api_version: PoolApiVersion::Auto,
-            model_label: DEFAULT_MODEL_LABEL.to_owned(),
-            api_unreachable_timeout_ms: 30_000,
-            kubeconfig: None,
-        }
-    }
-}
-
-/// Which InferencePool API version discovery watches.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PoolApiVersion {
-    /// `inference.networking.k8s.io/v1`, falling back to `v1alpha2` while v1 is not served.
-    #[default]
-    Auto,
-    /// `inference.networking.k8s.io/v1` only (`spec.selector.matchLabels`, `spec.targetPorts`).
-    V1,
-    /// `inference.networking.x-k8s.io/v1alpha2` only (`spec.selector`, `spec.targetPortNumber`).
-    V1alpha2,
 }
 
 /// Request handling.
@@ -502,6 +393,17 @@ impl Config {
             id,
             model: model.to_owned(),
             feed: self.feed_endpoints(&id, overrides),
+        }
+    }
+
+    /// What discovery needs: the pool, the served model names, and how a discovered worker's
+    /// event endpoints are derived.
+    pub fn discovery_settings(&self) -> DiscoverySettings {
+        let events = self.clone();
+        DiscoverySettings {
+            pool: self.pool.clone(),
+            models: self.models.iter().map(|m| m.name.clone()).collect(),
+            worker: Arc::new(move |id, model| events.desired_worker(id, model, None)),
         }
     }
 

@@ -304,7 +304,7 @@ impl Server {
         if config.discovers_workers() {
             let (run, mut stop) = (
                 crate::discovery::run(
-                    config.clone(),
+                    config.discovery_settings(),
                     membership.clone(),
                     readiness.clone(),
                     metrics.clone(),

@@ -3,7 +3,7 @@
 //! A pod is an endpoint when it is Ready (condition `Ready=True`), not terminating (no
 //! `deletionTimestamp`) and has a `podIP`. Each target port is one worker: the port at index r of
 //! `targetPorts` is data-parallel rank r, `WorkerId::with_rank(podIP:port, r)`, and publishes its
-//! KV events on `events.zmq.port + r` of the pod (see `Config::feed_endpoints`).
+//! KV events on `events.zmq.port + r` of the pod (see `DiscoverySettings::worker`).
 //!
 //! The model: with one configured model, every pod serves it; with several, the pod's
 //! `pool.model_label` label names it. Pods without the label, naming an unknown model or with an
@@ -15,8 +15,8 @@ use std::net::{IpAddr, SocketAddr};
 use kube::api::DynamicObject;
 use serde_json::Value;
 
+use super::DiscoverySettings;
 use super::pool::PoolSpec;
-use crate::config::Config;
 use crate::membership::DesiredWorker;
 use crate::worker::WorkerId;
 
@@ -53,7 +53,7 @@ pub(super) struct Endpoints {
 
 /// The workers of `pool` among `pods`.
 pub(super) fn desired<'a>(
-    config: &Config,
+    settings: &DiscoverySettings,
     pool: &PoolSpec,
     pods: impl IntoIterator<Item = &'a DynamicObject>,
 ) -> Endpoints {
@@ -61,13 +61,13 @@ pub(super) fn desired<'a>(
     let mut workers = BTreeMap::new();
     for pod in pods {
         let name = pod.metadata.name.clone().unwrap_or_default();
-        match pod_endpoint(config, pod) {
+        match pod_endpoint(settings, pod) {
             Ok(Some((ip, model))) => {
                 for (rank, port) in (0u32..).zip(&pool.target_ports) {
                     let id = WorkerId::with_rank(SocketAddr::new(ip, *port), rank);
                     workers
                         .entry(id)
-                        .or_insert_with(|| config.desired_worker(id, model, None));
+                        .or_insert_with(|| (settings.worker)(id, model));
                 }
             }
             Ok(None) => {}
@@ -80,7 +80,7 @@ pub(super) fn desired<'a>(
 
 /// The pod's IP and model when it is an endpoint; `Ok(None)` when it is not (yet) serving.
 fn pod_endpoint<'c>(
-    config: &'c Config,
+    settings: &'c DiscoverySettings,
     pod: &DynamicObject,
 ) -> Result<Option<(IpAddr, &'c str)>, SkipReason> {
     if pod.metadata.deletion_timestamp.is_some() || !is_ready(&pod.data) {
@@ -90,7 +90,7 @@ fn pod_endpoint<'c>(
         return Ok(None);
     };
     let ip: IpAddr = ip.parse().map_err(|_| SkipReason::BadIp)?;
-    Ok(Some((ip, model_of(config, pod)?)))
+    Ok(Some((ip, model_of(settings, pod)?)))
 }
 
 fn is_ready(pod: &Value) -> bool {
@@ -104,27 +104,31 @@ fn is_ready(pod: &Value) -> bool {
         })
 }
 
-fn model_of<'c>(config: &'c Config, pod: &DynamicObject) -> Result<&'c str, SkipReason> {
-    if let [only] = config.models.as_slice() {
-        return Ok(&only.name);
+fn model_of<'c>(
+    settings: &'c DiscoverySettings,
+    pod: &DynamicObject,
+) -> Result<&'c str, SkipReason> {
+    if let [only] = settings.models.as_slice() {
+        return Ok(only);
     }
     let label = pod
         .metadata
         .labels
         .as_ref()
-        .and_then(|l| l.get(&config.pool.model_label))
+        .and_then(|l| l.get(&settings.pool.model_label))
         .ok_or(SkipReason::NoModelLabel)?;
-    config
+    settings
         .models
         .iter()
-        .find(|m| m.name == *label)
-        .map(|m| m.name.as_str())
+        .find(|m| *m == label)
+        .map(String::as_str)
         .ok_or(SkipReason::UnknownModel)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Config;
     use serde_json::json;
 
     fn pod(name: &str, ip: &str, ready: bool, labels: Value, extra_meta: Value) -> DynamicObject {
@@ -162,7 +166,7 @@ mod tests {
             ),
             pod("d", "fe80::1", true, json!({}), json!({})),
         ];
-        let e = desired(&c, &pool(&[8000, 8001]), &pods);
+        let e = desired(&c.discovery_settings(), &pool(&[8000, 8001]), &pods);
         let got: Vec<(String, Option<String>)> = e
             .workers
             .iter()
@@ -213,7 +217,7 @@ mod tests {
                 json!({}),
             ),
         ];
-        let e = desired(&c, &pool(&[8000]), &pods);
+        let e = desired(&c.discovery_settings(), &pool(&[8000]), &pods);
         assert_eq!(e.workers.len(), 1);
         assert_eq!(
             (e.workers[0].model.as_str(), &e.workers[0].feed),

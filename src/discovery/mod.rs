@@ -23,13 +23,86 @@ pub use endpoints::SkipReason;
 pub use peers::{PortRef, ServiceEndpoints, watch_service_endpoints};
 pub use pool::{PoolApi, PoolSpec};
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::config::Config;
+use serde::{Deserialize, Serialize};
+
+use crate::membership::DesiredWorker;
 use crate::membership::Membership;
 use crate::metrics::Metrics;
 use crate::readiness::Readiness;
+use crate::worker::WorkerId;
+
+/// The InferencePool served, and how its workers are discovered.
+///
+/// Discovery runs when `name` is set and `workers` is empty (see `Config::discovers_workers`):
+/// the pool's pods that are Ready, not terminating and have an IP become workers, one per
+/// target port (port index = data-parallel rank).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PoolConfig {
+    /// InferencePool name.
+    pub name: String,
+    /// InferencePool namespace.
+    pub namespace: String,
+    /// Which InferencePool API to watch.
+    pub api_version: PoolApiVersion,
+    /// The pod label naming a discovered worker's model; only read when several models are
+    /// configured (with one model, every pod serves it).
+    pub model_label: String,
+    /// After this long without a working watch of the API, readiness condition `discovery`
+    /// turns false (the last known workers are kept and routed to meanwhile).
+    pub api_unreachable_timeout_ms: u64,
+    /// A kubeconfig file to use instead of the usual inference (`$KUBECONFIG`,
+    /// `~/.kube/config`, then the in-cluster service account).
+    pub kubeconfig: Option<PathBuf>,
+}
+
+/// Default pod label naming a worker's model.
+pub const DEFAULT_MODEL_LABEL: &str = "kv-epp.io/model";
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            name: String::new(),
+            namespace: String::new(),
+            api_version: PoolApiVersion::Auto,
+            model_label: DEFAULT_MODEL_LABEL.to_owned(),
+            api_unreachable_timeout_ms: 30_000,
+            kubeconfig: None,
+        }
+    }
+}
+
+/// Which InferencePool API version discovery watches.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PoolApiVersion {
+    /// `inference.networking.k8s.io/v1`, falling back to `v1alpha2` while v1 is not served.
+    #[default]
+    Auto,
+    /// `inference.networking.k8s.io/v1` only (`spec.selector.matchLabels`, `spec.targetPorts`).
+    V1,
+    /// `inference.networking.x-k8s.io/v1alpha2` only (`spec.selector`, `spec.targetPortNumber`).
+    V1alpha2,
+}
+
+/// How a discovered worker (endpoint and rank, model) becomes a desired worker: its event
+/// endpoints follow the deployment's event settings.
+pub type WorkerTemplate = Arc<dyn Fn(WorkerId, &str) -> DesiredWorker + Send + Sync>;
+
+/// What discovery needs to know.
+#[derive(Clone)]
+pub struct DiscoverySettings {
+    /// The pool and how to watch it.
+    pub pool: PoolConfig,
+    /// The served base models (a pod's model label must name one; with one model, every pod
+    /// serves it).
+    pub models: Vec<String>,
+    /// How a discovered worker becomes a desired worker.
+    pub worker: WorkerTemplate,
+}
 
 /// The readiness condition discovery drives.
 pub const READINESS_CONDITION: &str = "discovery";
@@ -61,12 +134,12 @@ pub async fn client_for(kubeconfig: Option<&Path>) -> Result<kube::Client, Strin
 /// complete list, while the pool does not exist, and after `pool.api_unreachable_timeout_ms` of
 /// failed watches; the last known workers are kept meanwhile).
 pub async fn run(
-    config: Config,
+    settings: DiscoverySettings,
     membership: Arc<Membership>,
     readiness: Readiness,
     metrics: Arc<Metrics>,
 ) {
-    watch::Discovery::new(config, membership, readiness, metrics)
+    watch::Discovery::new(settings, membership, readiness, metrics)
         .run()
         .await;
 }

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use kube::api::ApiResource;
 use serde_json::Value;
 
-use crate::config::PoolApiVersion;
+use super::PoolApiVersion;
 
 /// Most target ports a pool may list (the v1 CRD's limit).
 pub(super) const MAX_TARGET_PORTS: usize = 8;

@@ -16,18 +16,18 @@ use kube::api::{Api, ApiResource, DynamicObject};
 use kube::runtime::watcher::{self, Event};
 use tokio::time::Instant;
 
+use super::DiscoverySettings;
 use super::READINESS_CONDITION;
 use super::endpoints;
 use super::pool::{self, PoolApi, PoolSpec};
 use super::store::{Backoff, Store, Watch, proves_contact, watch};
-use crate::config::Config;
 use crate::membership::Membership;
 use crate::metrics::Metrics;
 use crate::readiness::Readiness;
 
 /// The discovery state that outlives sessions.
 pub(super) struct Discovery {
-    config: Config,
+    settings: DiscoverySettings,
     membership: Arc<Membership>,
     readiness: Readiness,
     metrics: Arc<Metrics>,
@@ -57,16 +57,16 @@ struct Session {
 }
 
 impl Discovery {
-    /// Discovery for `config.pool`, feeding `membership` and `readiness`.
+    /// Discovery for `settings.pool`, feeding `membership` and `readiness`.
     pub(super) fn new(
-        config: Config,
+        settings: DiscoverySettings,
         membership: Arc<Membership>,
         readiness: Readiness,
         metrics: Arc<Metrics>,
     ) -> Self {
-        let api = PoolApi::first(config.pool.api_version);
+        let api = PoolApi::first(settings.pool.api_version);
         Discovery {
-            config,
+            settings,
             membership,
             readiness,
             metrics,
@@ -85,7 +85,7 @@ impl Discovery {
         self.report();
         let mut backoff = Backoff::new();
         let client = loop {
-            match super::client_for(self.config.pool.kubeconfig.as_deref()).await {
+            match super::client_for(self.settings.pool.kubeconfig.as_deref()).await {
                 Ok(c) => break c,
                 Err(e) => {
                     self.failed(e);
@@ -106,9 +106,9 @@ impl Discovery {
     /// One session: both watches until the first error, which it returns (with whether the
     /// session reached the API).
     async fn session(&mut self, client: &kube::Client) -> (String, bool) {
-        let ns = self.config.pool.namespace.clone();
+        let ns = self.settings.pool.namespace.clone();
         let pools = Api::namespaced_with(client.clone(), &ns, &self.api.resource());
-        let by_name = format!("metadata.name={}", self.config.pool.name);
+        let by_name = format!("metadata.name={}", self.settings.pool.name);
         let mut s = Session {
             pool: watch(pools, watcher::Config::default().fields(&by_name)),
             pools: Store::default(),
@@ -145,12 +145,12 @@ impl Discovery {
 
     /// The pool as listed and watched; an invalid object keeps the last valid pool.
     fn current_pool(&self, pools: &Store) -> Option<PoolSpec> {
-        let object = pools.objects().get(&self.config.pool.name)?;
+        let object = pools.objects().get(&self.settings.pool.name)?;
         let spec = object.data.get("spec").unwrap_or(&serde_json::Value::Null);
         match pool::parse(self.api, spec) {
             Ok(p) => Some(p),
             Err(error) => {
-                let pool = &self.config.pool.name;
+                let pool = &self.settings.pool.name;
                 tracing::warn!(%pool, %error, "ignoring an invalid InferencePool; keeping the last valid one");
                 self.pool.clone()
             }
@@ -166,7 +166,7 @@ impl Discovery {
         }
         s.pods = selector.map(|sel| {
             let pods = ApiResource::erase::<k8s_openapi::api::core::v1::Pod>(&());
-            let api = Api::namespaced_with(client.clone(), &self.config.pool.namespace, &pods);
+            let api = Api::namespaced_with(client.clone(), &self.settings.pool.namespace, &pods);
             let w = watch(api, watcher::Config::default().labels(&sel));
             (sel, w)
         });
@@ -178,7 +178,7 @@ impl Discovery {
         if let watcher::Error::InitialListFailed(kube::Error::Api(status)) = &e
             && status.code == 404
         {
-            let next = self.api.fallback(self.config.pool.api_version);
+            let next = self.api.fallback(self.settings.pool.api_version);
             if next != self.api {
                 tracing::info!(from = ?self.api, to = ?next, "InferencePool API not served; trying the other version");
                 self.api = next;
@@ -200,7 +200,7 @@ impl Discovery {
             return;
         }
         let found = match &self.pool {
-            Some(pool) => endpoints::desired(&self.config, pool, s.pod_store.objects().values()),
+            Some(pool) => endpoints::desired(&self.settings, pool, s.pod_store.objects().values()),
             None => endpoints::Endpoints::default(),
         };
         self.count_skipped(found.skipped);
@@ -221,7 +221,7 @@ impl Discovery {
                 .set(i64::try_from(n).unwrap_or(i64::MAX));
         }
         for (pod, reason) in skipped.iter().filter(|p| !self.skipped.contains(p)) {
-            let (label, reason) = (&self.config.pool.model_label, reason.as_str());
+            let (label, reason) = (&self.settings.pool.model_label, reason.as_str());
             tracing::warn!(%pod, reason, model_label = %label, "skipping a pod of the pool");
         }
         self.skipped = skipped;
@@ -245,7 +245,7 @@ impl Discovery {
 
     /// When readiness must flip to "unreachable", if it has not yet.
     fn deadline(&self) -> Option<Instant> {
-        let timeout = Duration::from_millis(self.config.pool.api_unreachable_timeout_ms);
+        let timeout = Duration::from_millis(self.settings.pool.api_unreachable_timeout_ms);
         self.failing_since
             .filter(|_| !self.reported_unreachable)
             .map(|t| t + timeout)
@@ -263,8 +263,8 @@ impl Discovery {
     }
 
     fn report(&mut self) {
-        let timeout = Duration::from_millis(self.config.pool.api_unreachable_timeout_ms);
-        let p = &self.config.pool;
+        let timeout = Duration::from_millis(self.settings.pool.api_unreachable_timeout_ms);
+        let p = &self.settings.pool;
         let unreachable = self.failing_since.is_some_and(|t| t.elapsed() >= timeout);
         self.reported_unreachable = unreachable;
         let (ok, why) = if unreachable {

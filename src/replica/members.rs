@@ -16,9 +16,9 @@ use parking_lot::Mutex;
 use tokio::sync::watch;
 use tonic::transport::{Channel, Endpoint};
 
+use super::PeersConfig;
 use super::ReplicaState;
 use super::pb;
-use crate::config::PeersConfig;
 use crate::discovery::ServiceEndpoints;
 use crate::metrics::Metrics;
 

@@ -23,14 +23,15 @@ pub mod pb {
 }
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use prometheus_client::metrics::counter::Counter;
+use serde::{Deserialize, Serialize};
 use tonic::metadata::MetadataValue;
 
-use crate::config::PeersConfig;
 use crate::events::Feeds;
 use crate::metrics::Metrics;
 use crate::readiness::Readiness;
@@ -38,6 +39,64 @@ use crate::worker::WorkerId;
 use crate::workers::Workers;
 use members::Members;
 use relay::RelayHub;
+
+/// Other replicas of this picker (see `ARCHITECTURE.md`, "Replicas"). Every replica subscribes
+/// to every worker's event stream itself; peers serve a joining replica a snapshot of the index
+/// and relay the events of single-reader sources (TensorRT-LLM) that only one replica polls.
+/// Replication is on when any of `static_peers`, `dns` or `service` is set.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PeersConfig {
+    /// The Kubernetes Service whose EndpointSlices list the replicas (in `pool.namespace`).
+    pub service: Option<String>,
+    /// Peer API addresses (`host:port`), this replica's own included or not.
+    pub static_peers: Vec<String>,
+    /// A DNS name (`host:port`, e.g. a headless Service) whose addresses are the replicas.
+    pub dns: Option<String>,
+    /// The peer API port (`--peer-port`).
+    pub port: u16,
+    /// File holding the shared token peers present (`--peer-token-file`); without one the peer
+    /// API is unauthenticated (a warning is logged).
+    pub token_file: Option<PathBuf>,
+    /// How long a starting replica waits for a ready peer to bootstrap from before it starts
+    /// with an empty index.
+    pub bootstrap_timeout_ms: u64,
+    /// How often peers are probed; a peer that missed three probes is not ready.
+    pub probe_interval_ms: u64,
+    /// Largest peer API message accepted or sent.
+    pub max_message_bytes: usize,
+    /// Block entries per snapshot chunk.
+    pub snapshot_chunk_blocks: u32,
+    /// Relayed batches a replica keeps for peers that reconnect.
+    pub relay_log_batches: usize,
+    /// ...and at most this many encoded bytes of them.
+    pub relay_log_bytes: usize,
+}
+
+impl Default for PeersConfig {
+    fn default() -> Self {
+        PeersConfig {
+            service: None,
+            static_peers: Vec::new(),
+            dns: None,
+            port: 9004,
+            token_file: None,
+            bootstrap_timeout_ms: 30_000,
+            probe_interval_ms: 300,
+            max_message_bytes: 4 << 20,
+            snapshot_chunk_blocks: 16_384,
+            relay_log_batches: 65_536,
+            relay_log_bytes: 256 << 20,
+        }
+    }
+}
+
+impl PeersConfig {
+    /// Whether this replica has peers to find.
+    pub fn enabled(&self) -> bool {
+        !self.static_peers.is_empty() || self.dns.is_some() || self.service.is_some()
+    }
+}
 
 /// Readiness condition name of the bootstrap.
 pub const BOOTSTRAP: &str = "bootstrap";

@@ -1,28 +1,33 @@
 //! An in-process fleet simulation: simulated engines (vLLM-like prefix caches with the latency
-//! model) fed by a routing policy, in simulated time. Used by `kv-epp-sim demo --in-process` and by the
-//! routing benchmarks; the network demo drives real `sim-worker` processes instead.
+//! model) fed by a routing policy, in simulated time. Used by `kv-epp-sim demo --in-process` and by
+//! the routing benchmarks; the network demo drives real `sim-worker` processes instead.
 //!
-//! kv-epp's side is real: the KV index is fed only from the engines' own events (the same event
-//! stream a `sim-worker` publishes), and the policy picks through the production scorer.
+//! kv-epp's side is the product's own code: each replica is a `decide::Picker` whose index is
+//! fed only from the engines' own events (through the one writer, `engine_event::apply`), and
+//! every request goes through `decide::decide` as ext_proc's do, booking its pick until the
+//! request finishes.
 //!
 //! Each engine runs one prefill at a time (FIFO) and decodes in parallel; a request's blocks stay
 //! referenced until its last token.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
+use std::sync::Arc;
 
-use rand::SeedableRng;
-use rand::rngs::SmallRng;
+use kv_epp::decide::{self, Picker, RequestParts, UnknownModel, decide};
+use kv_epp::metrics::Metrics;
+use kv_epp::models::{ModelSettings, ServedModels};
+use kv_epp::workers::{Booking, Workers};
 
 use crate::latency::LatencyModel;
 use crate::prefix_cache::{CacheEvent, CacheRequest, EngineDigest, ExtraKey, PrefixCache};
 use crate::workload::WorkloadRequest;
 use kv_epp_core::engine_event::{self as writer, EngineEvent, EventCounters, TIER_DEVICE};
-use kv_epp_core::hashing::prompt_hashes;
+use kv_epp_core::fingerprint::FingerprintKey;
 use kv_epp_core::index::{EngineBlockHash, IndexLimits, KvIndex, Medium};
-use kv_epp_core::namespace::{self, Namespace, seed_for};
-use kv_epp_core::salt::{CacheSalt, SaltSource};
-use kv_epp_core::scoring::{Candidate, ScoringConfig, pick};
+use kv_epp_core::namespace::{self, Namespace};
+use kv_epp_core::salt::{CacheSalt, SaltPolicy, SaltSource};
+use kv_epp_core::scoring::ScoringConfig;
 use kv_epp_core::worker::WorkerId;
 
 /// How requests are assigned to engines.
@@ -140,8 +145,39 @@ struct Engine {
     stored_by: HashMap<EngineDigest, Option<String>>,
 }
 
-/// A running request: (finish time, engine, replica that routed it, its blocks).
+/// A running request: (finish time, engine, request number, its blocks).
 type Running = (u64, usize, usize, Vec<u32>);
+
+/// The one model the fleet serves.
+const MODEL: &str = "m";
+
+/// A kv-epp replica's picker over the fleet: its own index of the one model, every engine as a
+/// ready worker, scoring as `cfg` says, no in-flight limit.
+fn picker(spec: &FleetSpec, ids: &[WorkerId], cfg: &ScoringConfig) -> Picker {
+    let models = ServedModels::new(
+        vec![ModelSettings {
+            name: MODEL.into(),
+            block_size: spec.block_size,
+            lora_adapters: Vec::new(),
+            max_prompt_tokens: None,
+            tokenizer: None,
+        }],
+        IndexLimits::default(),
+    )
+    .expect("one model");
+    let workers = Workers::new(Arc::new(Metrics::new()));
+    for id in ids {
+        workers.add(*id, MODEL, models.index(MODEL).cloned());
+    }
+    let policy = decide::Policy {
+        scoring: cfg.clone(),
+        max_inflight: None,
+        unknown_model: UnknownModel::LoadOnly,
+        salt: SaltPolicy::default(),
+        fingerprints: FingerprintKey::from_passphrase("kv-epp-sim"),
+    };
+    Picker::new(Arc::new(models), Arc::new(workers), policy)
+}
 
 /// Runs `requests` through a simulated fleet under `policy`.
 pub fn simulate(spec: &FleetSpec, policy: &Policy, requests: &[WorkloadRequest]) -> FleetReport {
@@ -157,71 +193,75 @@ pub fn simulate(spec: &FleetSpec, policy: &Policy, requests: &[WorkloadRequest])
         })
         .collect();
     let replicas = spec.replicas.max(1);
-    let indexes: Vec<KvIndex> = (0..replicas)
-        .map(|_| {
-            let index = KvIndex::new(spec.block_size, IndexLimits::default());
-            for id in &ids {
-                index.add_worker(*id);
-            }
-            index
-        })
+    // One kv-epp replica = one picker of its own: the product's served models (one model, fed
+    // only from the engines' events), its own worker list and bookings (it knows only the
+    // requests it routed), and the request pipeline that ext_proc runs.
+    let pickers: Vec<Picker> = match policy {
+        Policy::KvAware(cfg) => (0..replicas).map(|_| picker(spec, &ids, cfg)).collect(),
+        Policy::RoundRobin => Vec::new(),
+    };
+    // The indexes the engines' events are applied to (none under round-robin).
+    let indexes: Vec<Arc<KvIndex>> = pickers
+        .iter()
+        .filter_map(|p| p.models.index(MODEL).cloned())
         .collect();
     // The writer counts into these; the report reads the engines and the index instead.
     let counters = EventCounters::default();
-    // Per replica, per engine: requests that replica routed and that are still running.
-    let mut routed: Vec<Vec<u32>> = vec![vec![0; spec.workers]; replicas];
-    let mut rng = SmallRng::seed_from_u64(1);
+    let mut bookings: HashMap<usize, Booking> = HashMap::new();
     let mut report = FleetReport::default();
     let mut running: BinaryHeap<Reverse<Running>> = BinaryHeap::new();
     let mut rr = 0usize;
     for (n, req) in requests.iter().enumerate() {
         let now = req.at_ms * 1000;
         let replica = n % replicas;
-        let index = &indexes[replica];
         while let Some(Reverse((t, _, _, _))) = running.peek() {
             if *t > now {
                 break;
             }
-            let Reverse((_, e, r, blocks)) = running.pop().expect("peeked");
+            let Reverse((_, e, id, blocks)) = running.pop().expect("peeked");
             engines[e].cache.release(&blocks);
             engines[e].inflight -= 1;
-            routed[r][e] -= 1;
+            bookings.remove(&id);
         }
         let salt = req.tenant.as_deref();
         let cache_salt = salt.and_then(|s| CacheSalt::new(s, SaltSource::Header).ok().flatten());
-        let (chosen, credited) = match policy {
-            Policy::RoundRobin => {
+        let (chosen, credited) = match pickers.get(replica) {
+            None => {
                 rr = (rr + 1) % spec.workers;
                 (rr, 0)
             }
-            Policy::KvAware(cfg) => {
-                let seed = seed_for(cache_salt.as_ref(), None);
-                let (_, seqs) = prompt_hashes(&req.tokens, spec.block_size, seed);
-                let overlaps = index.query(&seqs);
-                if (0..spec.workers).any(|i| routed[replica][i] != engines[i].inflight) {
+            Some(picker) => {
+                let partial = picker.workers.with(|ws| {
+                    ws.iter()
+                        .zip(&engines)
+                        .any(|(w, e)| w.inflight() != e.inflight)
+                });
+                if partial {
                     report.partial_load_views += 1;
                 }
-                let cands: Vec<Candidate> = ids
-                    .iter()
-                    .enumerate()
-                    .map(|(i, id)| {
-                        let o = overlaps.iter().find(|o| o.worker == *id);
-                        Candidate {
-                            device_blocks: o.map_or(0, |o| o.device_blocks),
-                            total_blocks: o.map_or(0, |o| o.total_blocks),
-                            inflight: routed[replica][i],
-                            ..Candidate::idle(*id)
-                        }
-                    })
-                    .collect();
-                let key = seqs.first().map_or(0, |s| s.0);
-                match pick(&cands, seqs.len() as u32, key, cfg, &mut rng) {
-                    Ok(d) => {
+                let body = serde_json::json!({"model": MODEL, "prompt": req.tokens}).to_string();
+                let tenant: Vec<&[u8]> = salt.iter().map(|s| s.as_bytes()).collect();
+                let parts = RequestParts {
+                    path: "/v1/completions",
+                    tenant: &tenant,
+                    body: Some(body.as_bytes()),
+                    ..RequestParts::default()
+                };
+                match decide(picker, &parts) {
+                    Ok(mut d) => {
                         let i = ids
                             .iter()
-                            .position(|w| *w == d.primary.candidate.worker)
-                            .expect("picked a candidate");
-                        (i, d.primary.candidate.device_blocks)
+                            .position(|w| *w == d.pick)
+                            .expect("a fleet worker");
+                        let credited = d
+                            .candidates
+                            .iter()
+                            .find(|c| c.worker == d.pick)
+                            .map_or(0, |c| c.device_blocks);
+                        if let Some(b) = d.booking.take() {
+                            bookings.insert(n, b);
+                        }
+                        (i, credited)
                     }
                     Err(_) => (0, 0),
                 }
@@ -273,9 +313,8 @@ pub fn simulate(spec: &FleetSpec, policy: &Policy, requests: &[WorkloadRequest])
                 .prefill_us(req.tokens.len() - adm.cached_tokens);
         engine.prefill_free_at = first_token;
         engine.inflight += 1;
-        routed[replica][chosen] += 1;
         let done = first_token + spec.latency.decode_us(req.output_tokens);
-        running.push(Reverse((done, chosen, replica, adm.blocks)));
+        running.push(Reverse((done, chosen, n, adm.blocks)));
         let stats = report
             .tenants
             .entry(req.tenant.clone().unwrap_or_default())

@@ -31,7 +31,7 @@ const MAX_PAGE: usize = 4 << 20;
 /// `\w+`, so it drops every `vllm:` name, and splits labels on `,` and `=` ignoring quotes;
 /// `openmetrics-parser` is LGPL-3.0; the others are single releases left unmaintained. The text
 /// format's sample line is simple enough that this reader, fuzzed by the tests below, is safer.
-pub fn parse(text: &str) -> Option<EngineLoad> {
+pub(crate) fn parse(text: &str) -> Option<EngineLoad> {
     let mut running = None::<f64>;
     let mut waiting = None::<f64>;
     let mut usage = None::<f64>;
@@ -114,7 +114,7 @@ fn label_block_end(block: &str) -> Option<usize> {
 }
 
 /// Scrapes one worker until the task is aborted.
-pub async fn scrape(worker: Arc<WorkerRuntime>, interval: Duration, stale_after: Duration) {
+pub(crate) async fn scrape(worker: Arc<WorkerRuntime>, interval: Duration, stale_after: Duration) {
     let mut last_ok = None::<Instant>;
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

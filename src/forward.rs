@@ -134,7 +134,7 @@ fn object(b: &[u8], first: Option<Vec<u8>>, kept: &[&[u8]]) -> Vec<u8> {
 
 /// The body to forward, or `None` when the original is forwarded unchanged. `body` must be a
 /// JSON object (the request parser already checked it); `salt` is the forwarded form.
-pub fn rewrite_salt(body: &[u8], salt: Option<&str>) -> Option<Vec<u8>> {
+pub(crate) fn rewrite_salt(body: &[u8], salt: Option<&str>) -> Option<Vec<u8>> {
     let open = skip_ws(body, 0);
     let (top, end) = members(body, open)?;
     let nvext = top.iter().find(|m| m.key == "nvext");

@@ -367,7 +367,7 @@ impl Config {
 
     /// How the membership runs workers' companions: the event protocol, the TensorRT-LLM poll
     /// interval and the engine-metrics scrape.
-    pub fn membership_settings(&self) -> MembershipSettings {
+    pub(crate) fn membership_settings(&self) -> MembershipSettings {
         let em = &self.engine_metrics;
         MembershipSettings {
             engine: self.events.engine,
@@ -383,7 +383,7 @@ impl Config {
 
     /// A worker with the event endpoints this configuration derives for it (`overrides`: a
     /// static worker's explicit endpoints).
-    pub fn desired_worker(
+    pub(crate) fn desired_worker(
         &self,
         id: WorkerId,
         model: &str,
@@ -398,7 +398,7 @@ impl Config {
 
     /// What discovery needs: the pool, the served model names, and how a discovered worker's
     /// event endpoints are derived.
-    pub fn discovery_settings(&self) -> DiscoverySettings {
+    pub(crate) fn discovery_settings(&self) -> DiscoverySettings {
         let events = self.clone();
         DiscoverySettings {
             pool: self.pool.clone(),
@@ -408,7 +408,7 @@ impl Config {
     }
 
     /// The statically configured workers, as desired workers.
-    pub fn static_workers(&self) -> Vec<DesiredWorker> {
+    pub(crate) fn static_workers(&self) -> Vec<DesiredWorker> {
         self.workers
             .iter()
             .map(|w| self.desired_worker(w.id(), &w.model, Some(w)))
@@ -450,7 +450,7 @@ impl Config {
     }
 
     /// Where a worker publishes KV events (`None` when events are off).
-    pub fn feed_endpoints(
+    pub(crate) fn feed_endpoints(
         &self,
         worker: &WorkerId,
         overrides: Option<&StaticWorker>,

@@ -34,7 +34,7 @@ pub struct DesiredWorker {
 
 /// What one [`Membership::reconcile`] call changed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Changes {
+pub(crate) struct Changes {
     /// Workers started (including replaced ones).
     pub added: Vec<WorkerId>,
     /// Workers stopped (including replaced ones).
@@ -43,7 +43,7 @@ pub struct Changes {
 
 impl Changes {
     /// Whether nothing changed.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.added.is_empty() && self.removed.is_empty()
     }
 }
@@ -94,7 +94,7 @@ impl Membership {
 
     /// Makes the running workers exactly `desired` (later duplicates of an id are ignored).
     /// Workers of an unknown model are skipped with a warning. Needs a Tokio runtime.
-    pub fn reconcile(&self, desired: Vec<DesiredWorker>) -> Changes {
+    pub(crate) fn reconcile(&self, desired: Vec<DesiredWorker>) -> Changes {
         let mut wanted = BTreeMap::new();
         for w in desired {
             if self.models.index(&w.model).is_none() {

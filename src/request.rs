@@ -35,12 +35,12 @@ pub struct ParsedBody {
 
 impl ParsedBody {
     /// The body's `nvext.cache_salt` field.
-    pub fn nvext_salt(&self) -> SaltField<'_> {
+    pub(crate) fn nvext_salt(&self) -> SaltField<'_> {
         field(self.json.get("nvext").and_then(|n| n.get("cache_salt")))
     }
 
     /// The body's top-level `cache_salt` field.
-    pub fn body_salt(&self) -> SaltField<'_> {
+    pub(crate) fn body_salt(&self) -> SaltField<'_> {
         field(self.json.get("cache_salt"))
     }
 }

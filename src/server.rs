@@ -24,7 +24,7 @@ use crate::readiness::Readiness;
 use crate::replica::ReplicaState;
 
 /// The gRPC health service names a gateway or the kubelet may ask for.
-pub const HEALTH_SERVICES: [&str; 4] = [
+pub(crate) const HEALTH_SERVICES: [&str; 4] = [
     "liveness",
     "readiness",
     "inference-extension",

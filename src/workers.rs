@@ -39,7 +39,7 @@ impl WorkerRuntime {
         self.ready.load(Ordering::Relaxed)
     }
     /// Marks the worker ready or not.
-    pub fn set_ready(&self, ready: bool) {
+    pub(crate) fn set_ready(&self, ready: bool) {
         self.ready.store(ready, Ordering::Relaxed);
     }
     /// The engine-reported load in use (`None` when stale or unknown).
@@ -47,7 +47,7 @@ impl WorkerRuntime {
         *self.engine.read()
     }
     /// Records fresh engine-reported load (`None` when stale or unknown).
-    pub fn set_engine_load(&self, load: Option<EngineLoad>) {
+    pub(crate) fn set_engine_load(&self, load: Option<EngineLoad>) {
         *self.engine.write() = load;
     }
     /// Its model's index, when the model is served.
@@ -153,7 +153,7 @@ impl Workers {
     }
 
     /// A live worker's model and that model's index.
-    pub fn worker_index(&self, id: &WorkerId) -> Option<(String, Arc<KvIndex>)> {
+    pub(crate) fn worker_index(&self, id: &WorkerId) -> Option<(String, Arc<KvIndex>)> {
         let w = self.get(id)?;
         Some((w.model.clone(), w.index.clone()?))
     }
@@ -178,7 +178,7 @@ impl Workers {
     }
 
     /// Books one in-flight slot on `worker`, released when the booking drops.
-    pub fn book(&self, worker: &Arc<WorkerRuntime>) -> Booking {
+    pub(crate) fn book(&self, worker: &Arc<WorkerRuntime>) -> Booking {
         Booking::new(worker.clone(), self.metrics.clone())
     }
 }

@@ -302,13 +302,16 @@ impl Decision {
     }
 
     /// The `model` label of metrics: the base model, or `unknown`.
-    pub fn model_label(&self) -> &str {
+    pub(crate) fn model_label(&self) -> &str {
         self.request.model.base.as_deref().unwrap_or("unknown")
     }
 }
 
 /// Resolves a salt from its inputs under the picker's policy, with its fingerprint.
-pub fn resolve_salt(picker: &Picker, inputs: &SaltInputs<'_>) -> Result<Option<Salt>, Reject> {
+pub(crate) fn resolve_salt(
+    picker: &Picker,
+    inputs: &SaltInputs<'_>,
+) -> Result<Option<Salt>, Reject> {
     Ok(resolve(inputs, &picker.policy.salt)?.map(|r| Salt {
         fingerprint: r.salt.fingerprint(&picker.policy.fingerprints),
         value: r.salt,
@@ -318,7 +321,7 @@ pub fn resolve_salt(picker: &Picker, inputs: &SaltInputs<'_>) -> Result<Option<S
 
 /// The block hashes of `tokens` for a served base model under a salt and adapter (`None` when
 /// `base` is not served).
-pub fn hash_prompt(
+pub(crate) fn hash_prompt(
     picker: &Picker,
     base: &str,
     lora: Option<&str>,

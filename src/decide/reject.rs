@@ -113,7 +113,7 @@ impl Reject {
 
     /// The `model` label of `kv_epp_requests_total`: the request's `model` field when it was
     /// read before the refusal, else empty.
-    pub fn model_label(&self) -> &str {
+    pub(crate) fn model_label(&self) -> &str {
         match self {
             Reject::BadPrompt { model, .. } | Reject::UnknownModel(model) => model,
             Reject::PromptTooLong { model, .. } => model,
@@ -125,7 +125,7 @@ impl Reject {
     }
 
     /// Whether the reply carries `Retry-After` (the client may try again shortly).
-    pub fn retry_later(&self) -> bool {
+    pub(crate) fn retry_later(&self) -> bool {
         matches!(self, Reject::Saturated { .. })
     }
 

@@ -90,7 +90,7 @@ pub enum PoolApiVersion {
 
 /// How a discovered worker (endpoint and rank, model) becomes a desired worker: its event
 /// endpoints follow the deployment's event settings.
-pub type WorkerTemplate = Arc<dyn Fn(WorkerId, &str) -> DesiredWorker + Send + Sync>;
+pub(crate) type WorkerTemplate = Arc<dyn Fn(WorkerId, &str) -> DesiredWorker + Send + Sync>;
 
 /// What discovery needs to know.
 #[derive(Clone)]
@@ -105,7 +105,7 @@ pub struct DiscoverySettings {
 }
 
 /// The readiness condition discovery drives.
-pub const READINESS_CONDITION: &str = "discovery";
+pub(crate) const READINESS_CONDITION: &str = "discovery";
 
 /// A client configured the usual way (see [`kube::Config::infer`]). Errors say what was tried.
 pub async fn client() -> Result<kube::Client, String> {

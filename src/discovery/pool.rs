@@ -67,7 +67,7 @@ pub struct PoolSpec {
 
 impl PoolSpec {
     /// The selector as a Kubernetes label selector (`k=v,k2=v2`).
-    pub fn label_selector(&self) -> String {
+    pub(crate) fn label_selector(&self) -> String {
         self.selector
             .iter()
             .map(|(k, v)| format!("{k}={v}"))

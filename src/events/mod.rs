@@ -55,7 +55,7 @@ struct Poller {
 /// A single-reader source (TensorRT-LLM's destructive drain): its model's index and poll
 /// interval. With peers, only the replica that owns it polls it.
 #[derive(Clone)]
-pub struct SingleReader {
+pub(crate) struct SingleReader {
     /// The worker's model index.
     pub index: Arc<KvIndex>,
     /// Poll interval.
@@ -104,7 +104,7 @@ impl Feeds {
 
     /// Starts a feed that expects `next_seq` as its first sequence (`None`: join like a new
     /// subscriber).
-    pub fn start_at(
+    pub(crate) fn start_at(
         &self,
         worker: WorkerId,
         index: Arc<KvIndex>,
@@ -169,7 +169,7 @@ impl Feeds {
 
     /// Registers a TensorRT-LLM worker's event drain and, unless replicas share it (see
     /// [`Feeds::set_owned_elsewhere`]), starts polling it. Needs a Tokio runtime.
-    pub fn start_trtllm(
+    pub(crate) fn start_trtllm(
         &self,
         worker: WorkerId,
         index: Arc<KvIndex>,
@@ -201,13 +201,13 @@ impl Feeds {
 
     /// From now on single-reader sources are polled only through [`Feeds::poll`], by the
     /// replica that owns them.
-    pub fn set_owned_elsewhere(&self) {
+    pub(crate) fn set_owned_elsewhere(&self) {
         self.owned_elsewhere
             .store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The registered single-reader sources.
-    pub fn single_readers(&self) -> Vec<(WorkerId, SingleReader)> {
+    pub(crate) fn single_readers(&self) -> Vec<(WorkerId, SingleReader)> {
         self.single_readers
             .lock()
             .iter()
@@ -216,7 +216,7 @@ impl Feeds {
     }
 
     /// Starts polling a single-reader source into `sink` (no-op if already polling).
-    pub fn poll(
+    pub(crate) fn poll(
         &self,
         worker: WorkerId,
         block_size: usize,
@@ -241,7 +241,7 @@ impl Feeds {
 
     /// Stops polling a single-reader source (it stays registered). A drain in flight is
     /// finished and delivered first: aborting it would lose events the engine already forgot.
-    pub fn stop_polling(&self, worker: &WorkerId) {
+    pub(crate) fn stop_polling(&self, worker: &WorkerId) {
         if let Some(p) = self.pollers.lock().get(worker) {
             p.status
                 .stop
@@ -250,7 +250,7 @@ impl Feeds {
     }
 
     /// Whether this replica polls `worker` (or is finishing its last drain).
-    pub fn is_polling(&self, worker: &WorkerId) -> bool {
+    pub(crate) fn is_polling(&self, worker: &WorkerId) -> bool {
         let mut pollers = self.pollers.lock();
         match pollers.get(worker) {
             Some(p) if p.task.is_finished() => {
@@ -263,14 +263,14 @@ impl Feeds {
     }
 
     /// Whether this replica is asked to poll `worker` (not stopping).
-    pub fn is_owned_here(&self, worker: &WorkerId) -> bool {
+    pub(crate) fn is_owned_here(&self, worker: &WorkerId) -> bool {
         self.pollers.lock().get(worker).is_some_and(|p| {
             !p.task.is_finished() && !p.status.stop.load(std::sync::atomic::Ordering::Acquire)
         })
     }
 
     /// The status of every TensorRT-LLM poller (including ones finishing their last drain).
-    pub fn poll_statuses(&self) -> Vec<(WorkerId, Arc<trtllm::PollStatus>)> {
+    pub(crate) fn poll_statuses(&self) -> Vec<(WorkerId, Arc<trtllm::PollStatus>)> {
         let mut pollers = self.pollers.lock();
         pollers.retain(|_, p| !p.task.is_finished());
         pollers

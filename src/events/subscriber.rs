@@ -67,7 +67,7 @@ pub struct FeedStatus {
 
 /// What to do with a message of sequence `seq`, given the next expected one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SeqAction {
+pub(crate) enum SeqAction {
     /// In order: apply it.
     Apply,
     /// Messages `from..seq` were lost: replay them first.
@@ -80,7 +80,7 @@ pub enum SeqAction {
 }
 
 /// The sequence rule. `expected` is `None` before the first message.
-pub fn seq_action(expected: Option<u64>, seq: u64) -> SeqAction {
+pub(crate) fn seq_action(expected: Option<u64>, seq: u64) -> SeqAction {
     match expected {
         // Joining a running engine: catch up on what it still buffers.
         None if seq > 0 => SeqAction::Replay { from: 0 },
@@ -111,7 +111,7 @@ pub struct Feed {
 impl Feed {
     /// Runs `f` with the next sequence the worker's current index state expects (`None`: no
     /// event seen yet), with no batch being applied meanwhile.
-    pub fn consistent<R>(&self, f: impl FnOnce(Option<u64>) -> R) -> R {
+    pub(crate) fn consistent<R>(&self, f: impl FnOnce(Option<u64>) -> R) -> R {
         let _g = self.apply_lock.lock();
         let next = self.status.next_seq.load(Ordering::Relaxed);
         f((next > 0).then_some(next))
@@ -127,7 +127,7 @@ impl Feed {
     }
 
     /// Applies one payload (already sequence-checked).
-    pub fn apply_payload(&self, payload: &[u8]) {
+    pub(crate) fn apply_payload(&self, payload: &[u8]) {
         let batch = match decode_batch(payload) {
             Ok(b) => b,
             Err(e) => {

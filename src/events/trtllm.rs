@@ -32,7 +32,7 @@ const MAX_DRAIN: usize = 64 << 20;
 
 /// Status of one poller.
 #[derive(Debug, Default)]
-pub struct PollStatus {
+pub(crate) struct PollStatus {
     /// The last poll succeeded.
     pub connected: AtomicBool,
     /// Successful polls.
@@ -54,7 +54,10 @@ fn hash(v: &Value) -> Option<EngineBlockHash> {
 
 /// One TensorRT-LLM event in kv-epp's engine-neutral form (`None`: nothing to index). `Err` =
 /// dropped (malformed or against the rules).
-pub fn normalize(block_size: usize, event: &Value) -> Result<Option<EngineEvent>, &'static str> {
+pub(crate) fn normalize(
+    block_size: usize,
+    event: &Value,
+) -> Result<Option<EngineEvent>, &'static str> {
     let data = event.get("data").ok_or("no data")?;
     match data.get("type").and_then(Value::as_str).ok_or("no type")? {
         "stored" => stored(block_size, data),
@@ -156,13 +159,13 @@ fn stored(bs: usize, data: &Value) -> Result<Option<EngineEvent>, &'static str> 
 }
 
 /// Where a poller's decoded events go.
-pub trait EventSink: Send + Sync {
+pub(crate) trait EventSink: Send + Sync {
     /// Takes one drain's events of `worker`, in order.
     fn deliver(&self, worker: &WorkerId, events: Vec<EngineEvent>);
 }
 
 /// Applies drained events to this replica's index only (no peers).
-pub struct LocalSink {
+pub(crate) struct LocalSink {
     /// The worker's model index.
     pub index: Arc<KvIndex>,
     /// The replica's event counters.
@@ -180,7 +183,7 @@ impl EventSink for LocalSink {
 }
 
 /// Polls one worker until the task is aborted; drained events go to `sink`.
-pub async fn poll(
+pub(crate) async fn poll(
     worker: WorkerId,
     block_size: usize,
     sink: Arc<dyn EventSink>,

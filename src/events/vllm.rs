@@ -63,7 +63,7 @@ pub enum Event {
 
 /// What a decoded vLLM event becomes for the index.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Neutral {
+pub(crate) enum Neutral {
     /// An event to apply.
     Event(EngineEvent),
     /// An event of a KV-cache group other than 0 (hybrid models): not indexed, counted.
@@ -74,7 +74,7 @@ pub enum Neutral {
 
 impl Event {
     /// The engine-neutral form of this event, with the namespace rule run on a sequence start.
-    pub fn into_neutral(self) -> Neutral {
+    pub(crate) fn into_neutral(self) -> Neutral {
         match self {
             Event::Stored(st) => {
                 if st.group_idx != 0 {
@@ -147,7 +147,7 @@ pub enum DecodeError {
 }
 
 /// Decodes one payload frame.
-pub fn decode_batch(payload: &[u8]) -> Result<Batch, DecodeError> {
+pub(crate) fn decode_batch(payload: &[u8]) -> Result<Batch, DecodeError> {
     let mut rd = payload;
     let v = rmpv::decode::read_value_with_max_depth(&mut rd, MAX_DEPTH)
         .map_err(|e| DecodeError::NotMsgpack(e.to_string()))?;
@@ -312,7 +312,7 @@ fn hash(v: &Value) -> Option<EngineBlockHash> {
 
 /// Folds a digest of any length to 64 bits (the engine's hashes are opaque identifiers; a
 /// collision needs 2^32 blocks on one worker to become likely).
-pub fn fold(bytes: &[u8]) -> u64 {
+pub(crate) fn fold(bytes: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(bytes)
 }
 

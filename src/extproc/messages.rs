@@ -16,14 +16,14 @@ use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use crate::decide::Reject;
 
 /// The routing header and metadata key of the endpoint-picker protocol.
-pub const DESTINATION: &str = "x-gateway-destination-endpoint";
+pub(crate) const DESTINATION: &str = "x-gateway-destination-endpoint";
 /// Dynamic metadata namespace Envoy's load balancer reads.
-pub const LB_NAMESPACE: &str = "envoy.lb";
+pub(crate) const LB_NAMESPACE: &str = "envoy.lb";
 /// Largest streamed body chunk we send back.
-pub const MAX_CHUNK: usize = 62_000;
+pub(crate) const MAX_CHUNK: usize = 62_000;
 
 /// A header set with `raw_value` and overwrite semantics.
-pub fn set_header(key: &str, value: &[u8]) -> HeaderValueOption {
+pub(crate) fn set_header(key: &str, value: &[u8]) -> HeaderValueOption {
     HeaderValueOption {
         header: Some(HeaderValue {
             key: key.to_owned(),
@@ -38,7 +38,7 @@ pub fn set_header(key: &str, value: &[u8]) -> HeaderValueOption {
 }
 
 /// `{"envoy.lb": {"x-gateway-destination-endpoint": destination}}`.
-pub fn destination_metadata(destination: &str) -> Struct {
+pub(crate) fn destination_metadata(destination: &str) -> Struct {
     let inner = Struct {
         fields: [(
             DESTINATION.to_owned(),
@@ -111,7 +111,7 @@ pub fn mutation(set: Vec<HeaderValueOption>, remove: Vec<String>) -> Option<Head
 
 /// Streams `body` back as body responses of at most [`MAX_CHUNK`] bytes; the last carries
 /// `end_of_stream` when `end` is set. An empty body still yields one (possibly final) message.
-pub fn stream_body(phase: Phase, body: &[u8], end: bool) -> Vec<ProcessingResponse> {
+pub(crate) fn stream_body(phase: Phase, body: &[u8], end: bool) -> Vec<ProcessingResponse> {
     let chunks: Vec<&[u8]> = if body.is_empty() {
         vec![&[][..]]
     } else {
@@ -143,7 +143,7 @@ pub fn stream_body(phase: Phase, body: &[u8], end: bool) -> Vec<ProcessingRespon
 }
 
 /// An empty answer to a trailers message.
-pub fn trailers(request: bool) -> ProcessingResponse {
+pub(crate) fn trailers(request: bool) -> ProcessingResponse {
     let t = TrailersResponse::default();
     ProcessingResponse {
         response: Some(if request {
@@ -157,7 +157,7 @@ pub fn trailers(request: bool) -> ProcessingResponse {
 
 /// A local reply refusing the request: the status, reason header and OpenAI-style JSON body all
 /// come from the [`Reject`], plus `extra` headers (e.g. `Retry-After`).
-pub fn immediate(reject: &Reject, extra: Vec<HeaderValueOption>) -> ProcessingResponse {
+pub(crate) fn immediate(reject: &Reject, extra: Vec<HeaderValueOption>) -> ProcessingResponse {
     let reason = reject.reason();
     let mut headers = vec![
         set_header("content-type", b"application/json"),

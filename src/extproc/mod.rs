@@ -20,7 +20,7 @@ use crate::metrics::Metrics;
 use stream::{StreamHandler, StreamOptions};
 
 /// The ext_proc service.
-pub struct ExtProcService {
+pub(crate) struct ExtProcService {
     picker: Arc<Picker>,
     metrics: Arc<Metrics>,
     opts: StreamOptions,
@@ -28,7 +28,7 @@ pub struct ExtProcService {
 
 impl ExtProcService {
     /// A service deciding with `picker`, counting in `metrics`.
-    pub fn new(picker: Arc<Picker>, metrics: Arc<Metrics>, opts: StreamOptions) -> Self {
+    pub(crate) fn new(picker: Arc<Picker>, metrics: Arc<Metrics>, opts: StreamOptions) -> Self {
         ExtProcService {
             picker,
             metrics,

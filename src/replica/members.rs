@@ -72,7 +72,7 @@ impl Members {
 
     /// Adds a live list of peer addresses: the EndpointSlices of kv-epp's own Service, ready or
     /// not (a bootstrapping replica is not ready yet must be seen).
-    pub fn set_discovered(&self, rx: watch::Receiver<ServiceEndpoints>) {
+    pub(crate) fn set_discovered(&self, rx: watch::Receiver<ServiceEndpoints>) {
         *self.discovered.lock() = Some(rx);
     }
 
@@ -91,7 +91,7 @@ impl Members {
     }
 
     /// Instances of the ready peers.
-    pub fn ready_instances(&self) -> Vec<u64> {
+    pub(crate) fn ready_instances(&self) -> Vec<u64> {
         self.view()
             .into_iter()
             .filter(|m| m.ready)
@@ -108,7 +108,7 @@ impl Members {
     }
 
     /// Whether the live address list (if any) has been listed at least once.
-    pub fn discovery_listed(&self) -> bool {
+    pub(crate) fn discovery_listed(&self) -> bool {
         self.discovered
             .lock()
             .as_ref()
@@ -116,7 +116,7 @@ impl Members {
     }
 
     /// Completed probe rounds.
-    pub fn rounds(&self) -> u64 {
+    pub(crate) fn rounds(&self) -> u64 {
         self.rounds.load(Ordering::Relaxed)
     }
 
@@ -177,7 +177,7 @@ impl Members {
 }
 
 /// A request carrying the peer token.
-pub fn authed<T>(state: &ReplicaState, msg: T) -> tonic::Request<T> {
+pub(crate) fn authed<T>(state: &ReplicaState, msg: T) -> tonic::Request<T> {
     let mut req = tonic::Request::new(msg);
     if let Some(t) = state.token() {
         req.metadata_mut().insert("authorization", t.clone());
@@ -186,7 +186,7 @@ pub fn authed<T>(state: &ReplicaState, msg: T) -> tonic::Request<T> {
 }
 
 /// Probes every known address each interval until the task is dropped.
-pub async fn probe_loop(state: Arc<ReplicaState>) {
+pub(crate) async fn probe_loop(state: Arc<ReplicaState>) {
     let interval = state.probe_interval();
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

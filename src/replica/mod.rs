@@ -99,7 +99,7 @@ impl PeersConfig {
 }
 
 /// Readiness condition name of the bootstrap.
-pub const BOOTSTRAP: &str = "bootstrap";
+pub(crate) const BOOTSTRAP: &str = "bootstrap";
 
 /// Counters of the replica machinery: Prometheus counters (`kv_epp_replica_*`), also shown by
 /// `/debug/replica`.
@@ -231,13 +231,13 @@ impl ReplicaState {
     }
 
     /// The probe interval.
-    pub fn probe_interval(&self) -> Duration {
+    pub(crate) fn probe_interval(&self) -> Duration {
         Duration::from_millis(self.config.probe_interval_ms)
     }
 
     /// The replica that owns a single-reader source: the highest rendezvous weight among the
     /// ready replicas (this one included when ready). `None` when no replica is ready.
-    pub fn owner_of(&self, worker: &WorkerId) -> Option<u64> {
+    pub(crate) fn owner_of(&self, worker: &WorkerId) -> Option<u64> {
         let mut ready = self.members.ready_instances();
         if self.is_ready() {
             ready.push(self.instance);
@@ -249,7 +249,7 @@ impl ReplicaState {
 }
 
 /// Rendezvous weight of a replica for a worker.
-pub fn rendezvous(instance: u64, worker: &WorkerId) -> u64 {
+pub(crate) fn rendezvous(instance: u64, worker: &WorkerId) -> u64 {
     let mut buf = [0u8; 30];
     buf[..8].copy_from_slice(&instance.to_le_bytes());
     buf[8..].copy_from_slice(&worker.key_bytes());

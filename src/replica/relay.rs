@@ -164,7 +164,7 @@ impl RelayHub {
 
     /// Runs `f` while no relayed batch is being applied or originated; returns its result and
     /// the relay positions (this replica's own included) that the state `f` saw reflects.
-    pub fn consistent<R>(&self, f: impl FnOnce() -> R) -> (R, Vec<(u64, u64)>) {
+    pub(crate) fn consistent<R>(&self, f: impl FnOnce() -> R) -> (R, Vec<(u64, u64)>) {
         let st = self.state.lock();
         let r = f();
         let mut pos: Vec<(u64, u64)> = st.positions.iter().map(|(o, n)| (*o, *n)).collect();
@@ -173,7 +173,7 @@ impl RelayHub {
     }
 
     /// Adopts the positions a snapshot reflects.
-    pub fn set_positions(&self, positions: &[(u64, u64)]) {
+    pub(crate) fn set_positions(&self, positions: &[(u64, u64)]) {
         let mut st = self.state.lock();
         for &(origin, next) in positions {
             if origin != self.instance {
@@ -188,13 +188,13 @@ impl RelayHub {
     }
 
     /// Every known position (this replica's own included), for status pages.
-    pub fn positions(&self) -> Vec<(u64, u64)> {
+    pub(crate) fn positions(&self) -> Vec<(u64, u64)> {
         self.consistent(|| ()).1
     }
 
     /// Applies one drain of a source this replica owns and appends it to the log (split into
     /// batches that fit a peer message).
-    pub fn originate(&self, worker: &WorkerId, events: Vec<EngineEvent>) {
+    pub(crate) fn originate(&self, worker: &WorkerId, events: Vec<EngineEvent>) {
         let Some((model, index)) = self.workers.worker_index(worker) else {
             self.counters.unplaced.inc();
             return;
@@ -232,7 +232,7 @@ impl RelayHub {
     }
 
     /// The batches of another origin this replica applied, from `from` on (what it keeps).
-    pub fn read_origin(&self, origin: u64, from: u64) -> Vec<Arc<pb::RelayBatch>> {
+    pub(crate) fn read_origin(&self, origin: u64, from: u64) -> Vec<Arc<pb::RelayBatch>> {
         let st = self.state.lock();
         st.relayed
             .get(&origin)
@@ -241,7 +241,7 @@ impl RelayHub {
     }
 
     /// Up to `max` logged batches from `from` on, and the sequence of the oldest kept.
-    pub fn read_from(&self, from: u64, max: usize) -> (Vec<Arc<pb::RelayBatch>>, u64) {
+    pub(crate) fn read_from(&self, from: u64, max: usize) -> (Vec<Arc<pb::RelayBatch>>, u64) {
         let st = self.state.lock();
         let oldest = st.next_seq - st.log.len() as u64;
         let skip = from.saturating_sub(oldest) as usize;
@@ -255,13 +255,13 @@ impl RelayHub {
     }
 
     /// A watch of [`RelayHub::next_seq`].
-    pub fn watch_tail(&self) -> watch::Receiver<u64> {
+    pub(crate) fn watch_tail(&self) -> watch::Receiver<u64> {
         self.tail.subscribe()
     }
 
     /// Applies a batch relayed by a peer, once. `mine`: the workers this replica polls itself
     /// (a reset never drops them).
-    pub fn apply_relayed(&self, b: &pb::RelayBatch, mine: &[WorkerId]) -> Applied {
+    pub(crate) fn apply_relayed(&self, b: &pb::RelayBatch, mine: &[WorkerId]) -> Applied {
         let mut st = self.state.lock();
         let pos = st.positions.get(&b.origin).copied();
         let in_order = match pos {
@@ -347,7 +347,7 @@ impl RelayHub {
 }
 
 /// Drains of owned sources go through the hub.
-pub struct HubSink(pub Arc<RelayHub>);
+pub(crate) struct HubSink(pub Arc<RelayHub>);
 
 impl EventSink for HubSink {
     fn deliver(&self, worker: &WorkerId, events: Vec<EngineEvent>) {
@@ -493,7 +493,7 @@ fn from_pb(ev: &pb::RelayEvent) -> Option<EngineEvent> {
 
 /// After bootstrap: keeps ownership of single-reader sources and relay subscriptions current,
 /// and evens out what vanished origins relayed.
-pub async fn maintain(state: Arc<ReplicaState>) {
+pub(crate) async fn maintain(state: Arc<ReplicaState>) {
     let interval = state.probe_interval();
     let handoff = interval * 3;
     let mut owner_since: HashMap<WorkerId, Instant> = HashMap::new();

@@ -28,7 +28,7 @@ use crate::worker::WorkerId;
 
 /// What a bootstrap restored.
 #[derive(Debug, Default)]
-pub struct Restored {
+pub(crate) struct Restored {
     /// Workers restored.
     pub workers: usize,
     /// Block entries restored.
@@ -158,7 +158,7 @@ struct Current {
 
 /// Fetches a peer's snapshot and restores it into this replica's index. On failure, whatever
 /// was restored is dropped again (the replica stays empty and not ready).
-pub async fn fetch(state: &Arc<ReplicaState>, peer: SocketAddr) -> Result<Restored, String> {
+pub(crate) async fn fetch(state: &Arc<ReplicaState>, peer: SocketAddr) -> Result<Restored, String> {
     let mut touched = Vec::new();
     let r = fetch_into(state, peer, &mut touched).await;
     if r.is_err() {

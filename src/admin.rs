@@ -3,7 +3,7 @@
 //! - `POST /query` `{"model", "token_ids", "lora_name"?, "cache_salt"?}`: kv-epp hashes the tokens
 //!   itself under the salt (resolved by the same rules as ext_proc, including `x-tenant-id`) and
 //!   answers each worker's overlap in tokens, per data-parallel rank and per tier.
-//! - `POST /query_by_hash` `{"model", "block_hashes": [i64...], "lora_name"?}`: local block hashes
+//! - `POST /query_by_hash` `{"model", "block_hashes": [i64 or u64...], "lora_name"?}`: local block hashes
 //!   the caller already computed with the intended salt (i64 on the wire, read as u64). Any
 //!   non-null `cache_salt` field, even `""`, is a 400: the hashes already carry the salt.
 //! - `POST /explain` `{"path", "headers"?: {"x-tenant-id": "..." | [...]}, "body"?, "subset"?}`:
@@ -49,6 +49,8 @@ pub struct AdminState {
     pub replica: Option<Arc<crate::replica::ReplicaState>>,
     /// ext_proc's `routing.max_body_bytes`: `/explain` refuses larger bodies as ext_proc would.
     pub max_body_bytes: usize,
+    /// ext_proc's `routing.retry_after_seconds`, sent with refusals the client may retry.
+    pub retry_after_seconds: u32,
 }
 
 /// The admin HTTP routes.
@@ -82,15 +84,16 @@ fn error(status: StatusCode, message: impl Into<String>) -> ApiError {
 }
 
 /// A refusal of the request pipeline, answered exactly as the ext_proc edge answers it: same
-/// status, same `x-llm-d-request-dropped-reason`, same JSON body.
-fn refusal(reject: &Reject) -> Response {
+/// status, same headers (`x-llm-d-request-dropped-reason`, `Retry-After`), same JSON body.
+fn refusal(reject: &Reject, retry_after_seconds: u32) -> Response {
     let status = StatusCode::from_u16(reject.status()).unwrap_or(StatusCode::BAD_REQUEST);
-    (
-        status,
-        [("x-llm-d-request-dropped-reason", reject.reason())],
-        Json(reject.body()),
-    )
-        .into_response()
+    let mut response = (status, Json(reject.body())).into_response();
+    for (name, value) in reject.headers(retry_after_seconds) {
+        if let Ok(v) = axum::http::HeaderValue::from_str(&value) {
+            response.headers_mut().insert(name, v);
+        }
+    }
+    response
 }
 
 fn parse<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiError> {
@@ -110,12 +113,30 @@ struct QueryRequest {
     cache_salt: Option<Value>,
 }
 
+/// A block hash on the wire: i64 as Dynamo's API sends it, or u64 as `/explain` and `kv-epp
+/// tokenize` print it; both are the same 64 bits.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum WireHash {
+    Unsigned(u64),
+    Signed(i64),
+}
+
+impl WireHash {
+    fn bits(&self) -> u64 {
+        match *self {
+            WireHash::Unsigned(u) => u,
+            WireHash::Signed(i) => i as u64,
+        }
+    }
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct QueryByHashRequest {
     #[serde(alias = "model_name")]
     model: String,
-    block_hashes: Vec<i64>,
+    block_hashes: Vec<WireHash>,
     #[serde(default)]
     lora_name: Option<String>,
     #[serde(default)]
@@ -202,7 +223,7 @@ async fn query(
     };
     let salt = match decide::resolve_salt(&s.picker, &inputs) {
         Ok(salt) => salt,
-        Err(e) => return refusal(&e),
+        Err(e) => return refusal(&e, s.retry_after_seconds),
     };
     let Some(index) = s.picker.models.index(base) else {
         return error(StatusCode::NOT_FOUND, "model has no index").into_response();
@@ -255,9 +276,10 @@ async fn explain(State(s): State<AdminState>, body: axum::body::Bytes) -> Respon
         .collect();
     let body = req.body.as_ref().map(|b| b.get().as_bytes());
     if body.is_some_and(|b| b.len() > s.max_body_bytes) {
-        return refusal(&Reject::BodyTooLarge {
+        let too_large = Reject::BodyTooLarge {
             limit: s.max_body_bytes,
-        });
+        };
+        return refusal(&too_large, s.retry_after_seconds);
     }
     let parts = RequestParts {
         path: &req.path,
@@ -268,7 +290,7 @@ async fn explain(State(s): State<AdminState>, body: axum::body::Bytes) -> Respon
     };
     match decide::explain(&s.picker, &parts) {
         Ok(d) => Json(explanation(&d)).into_response(),
-        Err(reject) => refusal(&reject),
+        Err(reject) => refusal(&reject, s.retry_after_seconds),
     }
 }
 
@@ -373,7 +395,7 @@ async fn query_by_hash(State(s): State<AdminState>, body: axum::body::Bytes) -> 
     let locals: Vec<LocalBlockHash> = req
         .block_hashes
         .iter()
-        .map(|&h| LocalBlockHash(h as u64))
+        .map(|h| LocalBlockHash(h.bits()))
         .collect();
     let seqs: Vec<SequenceHash> = sequence_hashes(&locals);
     let overlaps = index.query(&seqs);

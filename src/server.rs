@@ -329,6 +329,7 @@ impl Server {
             feeds: feeds.clone(),
             replica: replica.clone(),
             max_body_bytes: config.routing.max_body_bytes,
+            retry_after_seconds: config.routing.retry_after_seconds,
         });
         let mut stop = rx.clone();
         tasks.push(tokio::spawn(async move {

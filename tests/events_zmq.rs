@@ -571,6 +571,18 @@ async fn query_by_hash_contract() {
         post(r#"{"model":"m","block_hashes":[-1,2]}"#).await.status,
         200
     );
+    // /explain and `kv-epp tokenize` print u64: the same bits are accepted in either form.
+    let signed = post(r#"{"model":"m","block_hashes":[-1,2]}"#).await;
+    let unsigned = post(r#"{"model":"m","block_hashes":[18446744073709551615,2]}"#).await;
+    assert_eq!(unsigned.status, 200, "{}", unsigned.text());
+    assert_eq!(unsigned.body, signed.body);
+    assert_eq!(
+        post(r#"{"model":"m","block_hashes":[18446744073709551616]}"#)
+            .await
+            .status,
+        400,
+        "beyond 64 bits"
+    );
     assert_eq!(
         post(r#"{"model":"zz","block_hashes":[1]}"#).await.status,
         404

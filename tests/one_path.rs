@@ -16,7 +16,9 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     HttpBody, HttpHeaders, ProcessingRequest, ProtocolConfiguration, body_mutation::Mutation,
     processing_request::Request, processing_response::Response,
 };
+use envoy_types::pb::google::protobuf::value::Kind;
 use kv_epp::config::Config;
+use kv_epp::decide::tokens_digest;
 use kv_epp::extproc::stream::{StreamHandler, StreamOptions};
 use kv_epp::metrics::Metrics;
 use kv_epp::server::Server;
@@ -72,6 +74,22 @@ async fn start(name: &str) -> (PathBuf, PathBuf, Server) {
 /// What one path reported: (fingerprint, token IDs, local hashes, sequence hashes, forwarded body).
 type Seen = (String, Vec<u32>, Vec<u64>, Vec<u64>, Value);
 
+/// What the ext_proc edge publishes of a decision (its `kv-epp` dynamic metadata), and the same
+/// figures computed from a full report: (fingerprint, prompt tokens, tokens digest, last block's
+/// sequence hash, forwarded body). The digest and the chained last hash cover every token and
+/// every block hash.
+type Summary = (String, u64, String, String, Value);
+
+fn summary(s: &Seen) -> Summary {
+    (
+        s.0.clone(),
+        s.1.len() as u64,
+        format!("{:016x}", tokens_digest(&s.1)),
+        format!("{:016x}", s.3.last().copied().unwrap_or_default()),
+        s.4.clone(),
+    )
+}
+
 fn via_tokenize_binary(cfg: &std::path::Path) -> Seen {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kv-epp"))
         .args(["tokenize", "--config-file"])
@@ -117,8 +135,9 @@ fn seen(v: &Value, forwarded: Value) -> Seen {
 }
 
 /// The ext_proc edge, driven in-process exactly as the tonic service drives it, on the running
-/// server's picker; returns what it decided and the body it streamed back to Envoy.
-fn via_ext_proc(server: &Server) -> (StreamHandler, Seen) {
+/// server's picker; returns the handler (it holds the booking) and what it told Envoy: the
+/// `kv-epp` dynamic metadata and the body it streamed back.
+fn via_ext_proc(server: &Server) -> (StreamHandler, Summary) {
     let mut h = StreamHandler::new(
         server.picker.clone(),
         Arc::new(Metrics::new()),
@@ -162,7 +181,11 @@ fn via_ext_proc(server: &Server) -> (StreamHandler, Seen) {
         })
         .unwrap();
     let mut streamed = Vec::new();
+    let mut meta = None;
     for m in out {
+        if let Some(d) = &m.dynamic_metadata {
+            meta = d.fields.get("kv-epp").cloned();
+        }
         if let Some(Response::RequestBody(b)) = m.response
             && let Some(Mutation::StreamedResponse(s)) = b
                 .response
@@ -172,14 +195,27 @@ fn via_ext_proc(server: &Server) -> (StreamHandler, Seen) {
             streamed.extend(s.body);
         }
     }
-    let d = h.decision().expect("ext_proc routed the request");
-    let r = &d.request;
-    let salt = r.salt.as_ref().expect("a salt");
+    let Some(Kind::StructValue(meta)) = meta.and_then(|v| v.kind) else {
+        panic!("no kv-epp dynamic metadata in the answer")
+    };
+    let field = |k: &str| {
+        meta.fields
+            .get(k)
+            .and_then(|v| v.kind.clone())
+            .unwrap_or_else(|| panic!("no {k} in {meta:?}"))
+    };
+    let text = |k: &str| match field(k) {
+        Kind::StringValue(s) => s,
+        other => panic!("{k}: {other:?}"),
+    };
+    let Kind::NumberValue(tokens) = field("prompt_tokens") else {
+        panic!("prompt_tokens")
+    };
     let seen = (
-        salt.fingerprint().to_string(),
-        r.tokens.clone().expect("tokens"),
-        r.hashes.local.iter().map(|x| x.0).collect(),
-        r.hashes.sequence.iter().map(|x| x.0).collect(),
+        text("salt_fingerprint"),
+        tokens as u64,
+        text("tokens_digest"),
+        text("prefix_hash"),
         serde_json::from_slice(&streamed).unwrap(),
     );
     (h, seen)
@@ -227,11 +263,20 @@ async fn ext_proc_tokenize_and_explain_agree() {
         "ext_proc fingerprints under the file's key"
     );
     assert!(
-        ext_proc.1.len() > 8 && ext_proc.3.len() >= 2,
-        "{ext_proc:?}"
+        tokenize.1.len() > 8 && tokenize.3.len() >= 2,
+        "{tokenize:?}"
     );
-    assert_eq!(tokenize, ext_proc, "kv-epp tokenize drifted from ext_proc");
-    assert_eq!(explain, ext_proc, "/explain drifted from ext_proc");
+    assert_eq!(explain, tokenize, "/explain drifted from kv-epp tokenize");
+    assert_eq!(
+        summary(&tokenize),
+        ext_proc,
+        "kv-epp tokenize drifted from ext_proc"
+    );
+    assert_eq!(
+        summary(&explain),
+        ext_proc,
+        "/explain drifted from ext_proc"
+    );
     assert_eq!(ext_proc.4["cache_salt"], format!("kvepp:{TENANT}"));
     // The explanation sees ext_proc's booking: that worker now queues one request, costs more,
     // and loses to the idle one, and the answer says so. It never shows the salt.

@@ -278,7 +278,7 @@ pub struct CandidateReport {
 pub struct Decision {
     /// What kv-epp derived from the request.
     pub request: Understood,
-    /// Every worker, in the router's order.
+    /// Every worker, in the list's order, when explaining; only the pick when booking.
     pub candidates: Vec<CandidateReport>,
     /// The picked worker.
     pub pick: WorkerId,
@@ -304,6 +304,60 @@ impl Decision {
     /// The `model` label of metrics: the base model, or `unknown`.
     pub(crate) fn model_label(&self) -> &str {
         self.request.model.base.as_deref().unwrap_or("unknown")
+    }
+}
+
+/// What the ext_proc edge keeps of a decision once it has answered: the booking and a
+/// fixed-size summary, published to Envoy as the `kv-epp` dynamic metadata (for access logs) —
+/// never the tokens, hashes or per-worker reports, which a long-lived stream must not hold.
+#[derive(Debug)]
+pub struct Routed {
+    /// The in-flight slot on the pick (released when the stream ends).
+    pub booking: Option<Booking>,
+    /// The picked worker.
+    pub pick: WorkerId,
+    /// The `model` label of metrics: the base model, or `unknown`.
+    pub model_label: String,
+    /// The salt's fingerprint, when the request carried a salt.
+    pub salt: Option<Fingerprint>,
+    /// Prompt tokens, when the request had or was given token IDs.
+    pub prompt_tokens: Option<usize>,
+    /// Complete prompt blocks.
+    pub prompt_blocks: u32,
+    /// Blocks credited as cached on the pick.
+    pub cached_blocks: f64,
+    /// [`tokens_digest`] of the prompt's token IDs.
+    pub tokens_digest: Option<u64>,
+    /// The last block's sequence hash: it chains every block before it, so two paths that agree
+    /// on it agree on every block hash.
+    pub prefix_hash: Option<SequenceHash>,
+}
+
+/// A digest of a prompt's token IDs (XXH3-64 over their little-endian bytes): equal digests mean
+/// equal token IDs, partial last block included, without keeping the tokens.
+pub fn tokens_digest(tokens: &[u32]) -> u64 {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for t in tokens {
+        h.update(&t.to_le_bytes());
+    }
+    h.digest()
+}
+
+impl Decision {
+    /// The summary the ext_proc edge keeps; the rest of the decision is dropped.
+    pub fn into_routed(self) -> Routed {
+        let r = &self.request;
+        Routed {
+            model_label: self.model_label().to_owned(),
+            salt: r.salt.as_ref().map(Salt::fingerprint),
+            prompt_tokens: r.tokens.as_ref().map(Vec::len),
+            prompt_blocks: r.prompt_blocks(),
+            tokens_digest: r.tokens.as_deref().map(tokens_digest),
+            prefix_hash: r.hashes.sequence.last().copied(),
+            cached_blocks: self.cached_blocks,
+            pick: self.pick,
+            booking: self.booking,
+        }
     }
 }
 
@@ -368,14 +422,13 @@ pub fn understand(picker: &Picker, parts: &RequestParts<'_>) -> Result<Understoo
     let tokens = match (parsed.as_ref().map(|p| &p.prompt), parts.body) {
         (Some(Prompt::TokenIds(t)), _) => Some(t.clone()),
         (Some(_), Some(bytes)) => {
-            let name = named.as_deref().unwrap_or("");
             match resolved.and_then(|r| r.model.tokenize(parts.path, bytes)) {
                 None => None,
                 Some(Ok(t)) => Some(t),
                 Some(Err(TokenizeError::UnknownModel(m))) => return Err(Reject::UnknownModel(m)),
                 Some(Err(error)) if error.is_client_error() => {
                     return Err(Reject::BadPrompt {
-                        model: name.to_owned(),
+                        model: model.base.clone().unwrap_or_default(),
                         error,
                     });
                 }
@@ -428,17 +481,33 @@ pub fn understand(picker: &Picker, parts: &RequestParts<'_>) -> Result<Understoo
 ///
 /// Errors: every [`Reject`] except [`Reject::BodyTooLarge`] (the edge's own).
 pub fn decide(picker: &Picker, parts: &RequestParts<'_>) -> Result<Decision, Reject> {
-    decide_with(picker, parts, true)
+    let request = understand(picker, parts)?;
+    choose(picker, request, parts, true)
 }
 
 /// The decision [`decide`] would take now, without booking and without advancing the decision
 /// count: in-flight counts are unchanged. Same errors as [`decide`].
 pub fn explain(picker: &Picker, parts: &RequestParts<'_>) -> Result<Decision, Reject> {
-    decide_with(picker, parts, false)
+    let request = understand(picker, parts)?;
+    choose(picker, request, parts, false)
 }
 
-fn decide_with(picker: &Picker, parts: &RequestParts<'_>, book: bool) -> Result<Decision, Reject> {
-    let request = understand(picker, parts)?;
+/// [`decide`] for a request already [`understand`]ood, so the edge can account for what
+/// understanding found (a tokenizer failure on kv-epp's side) even when the decision is refused.
+pub fn decide_understood(
+    picker: &Picker,
+    request: Understood,
+    parts: &RequestParts<'_>,
+) -> Result<Decision, Reject> {
+    choose(picker, request, parts, true)
+}
+
+fn choose(
+    picker: &Picker,
+    request: Understood,
+    parts: &RequestParts<'_>,
+    book: bool,
+) -> Result<Decision, Reject> {
     let base = request.model.base.as_deref();
     if base.is_none() && picker.policy.unknown_model == UnknownModel::Reject {
         return Err(Reject::UnknownModel(
@@ -450,7 +519,9 @@ fn decide_with(picker: &Picker, parts: &RequestParts<'_>, book: bool) -> Result<
         Some(index) if !seqs.is_empty() => index.query(seqs),
         _ => Vec::new(),
     };
-    let named = request.model.named.clone();
+    // Refusals are labelled with the served base model only: a client-chosen `model` string
+    // must not mint metric series.
+    let named = request.model.base.clone();
     let scope = if parts.subset.is_some() || parts.conformance.is_some() {
         " in the requested subset"
     } else {
@@ -515,8 +586,11 @@ fn decide_with(picker: &Picker, parts: &RequestParts<'_>, book: bool) -> Result<
                 });
             }
         };
+        // A booked decision reports only its pick: the per-worker reports (an allocation and a
+        // score per worker) are for explaining, not for every request.
         let reports = rows
             .iter()
+            .filter(|(w, _, _)| !book || w.id == pick_id)
             .map(|(w, c, ex)| CandidateReport {
                 worker: w.id,
                 model: w.model.clone(),

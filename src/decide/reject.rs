@@ -30,7 +30,7 @@ pub enum Reject {
     /// that raised, ...): 400.
     #[error("{error}")]
     BadPrompt {
-        /// The `model` field.
+        /// The served base model.
         model: String,
         /// What the tokenizer refused.
         error: TokenizeError,
@@ -57,7 +57,7 @@ pub enum Reject {
     /// No ready endpoint serves the model (or none inside the subset hint): 503.
     #[error("no ready endpoint{scope}")]
     NoEndpoints {
-        /// The `model` field, when there was one.
+        /// The served base model, when the request named one.
         model: Option<String>,
         /// `""`, or `" in the requested subset"` when a subset or conformance list narrowed it.
         scope: &'static str,
@@ -65,7 +65,7 @@ pub enum Reject {
     /// Every candidate is at its in-flight limit: 429 with `Retry-After`.
     #[error("every candidate endpoint is at its in-flight limit")]
     Saturated {
-        /// The `model` field, when there was one.
+        /// The served base model, when the request named one.
         model: Option<String>,
     },
 }
@@ -111,12 +111,13 @@ impl Reject {
         }
     }
 
-    /// The `model` label of `kv_epp_requests_total`: the request's `model` field when it was
-    /// read before the refusal, else empty.
+    /// The `model` label of `kv_epp_requests_total`: the served base model the request resolved
+    /// to, `unknown` for a model that is not served, or empty when the body was not read. Never
+    /// the client's own string, so clients cannot mint metric series.
     pub(crate) fn model_label(&self) -> &str {
         match self {
-            Reject::BadPrompt { model, .. } | Reject::UnknownModel(model) => model,
-            Reject::PromptTooLong { model, .. } => model,
+            Reject::BadPrompt { model, .. } | Reject::PromptTooLong { model, .. } => model,
+            Reject::UnknownModel(_) => "unknown",
             Reject::NoEndpoints { model, .. } | Reject::Saturated { model } => {
                 model.as_deref().unwrap_or("")
             }
@@ -127,6 +128,17 @@ impl Reject {
     /// Whether the reply carries `Retry-After` (the client may try again shortly).
     pub(crate) fn retry_later(&self) -> bool {
         matches!(self, Reject::Saturated { .. })
+    }
+
+    /// The reply's headers besides the body's content type: the dropped reason, and
+    /// `Retry-After: retry_after_seconds` when the client may try again shortly. Every edge
+    /// answers with exactly these.
+    pub fn headers(&self, retry_after_seconds: u32) -> Vec<(&'static str, String)> {
+        let mut h = vec![("x-llm-d-request-dropped-reason", self.reason().to_owned())];
+        if self.retry_later() {
+            h.push(("retry-after", retry_after_seconds.to_string()));
+        }
+        h
     }
 
     /// The OpenAI-style error body: `{"error": {"message", "type", "code"}}`.
@@ -231,5 +243,28 @@ mod tests {
             assert!((400..600).contains(&r.status()));
         }
         assert!(Reject::Saturated { model: None }.retry_later());
+    }
+
+    #[test]
+    fn headers_carry_the_reason_and_retry_after_only_when_retrying_helps() {
+        for r in every_variant() {
+            let h = r.headers(7);
+            assert_eq!(
+                h[0],
+                ("x-llm-d-request-dropped-reason", r.reason().to_owned())
+            );
+            let retry = h.iter().find(|(k, _)| *k == "retry-after");
+            assert_eq!(retry.is_some(), r.status() == 429, "{r}");
+            if let Some((_, v)) = retry {
+                assert_eq!(v, "7");
+            }
+        }
+    }
+
+    #[test]
+    fn a_client_chosen_model_name_never_becomes_a_metric_label() {
+        let r = Reject::UnknownModel("anything-a-client-sends-0001".into());
+        assert_eq!(r.model_label(), "unknown");
+        assert!(r.to_string().contains("anything-a-client-sends-0001"));
     }
 }

@@ -107,7 +107,11 @@ fn subset_saturation_and_unknown_models() {
     let nope = body("nope", &[1]);
     let err = decide(&r, &parts(&[], &nope)).unwrap_err();
     assert_eq!((err.status(), err.reason()), (404, "model-not-found"));
-    assert_eq!(err.model_label(), "nope");
+    assert_eq!(
+        err.model_label(),
+        "unknown",
+        "a client-chosen name is no label"
+    );
     let lora = body("ad", &[1]);
     let d = decide(&r, &parts(&[], &lora)).unwrap();
     assert_eq!(d.request.model.lora.as_deref(), Some("ad"));

@@ -1,6 +1,7 @@
 //! Building the ext_proc messages Envoy expects, with the Envoy 1.40 facts baked in: header
 //! values in `raw_value` only, routing headers overwritten (never appended), dynamic metadata
-//! under `envoy.lb`, streamed body chunks of at most 62,000 bytes.
+//! under `envoy.lb` (and kv-epp's own summary under `kv-epp`), streamed body chunks of at most
+//! 62,000 bytes.
 
 use envoy_types::pb::envoy::config::core::v3::{
     HeaderValue, HeaderValueOption, header_value_option::HeaderAppendAction,
@@ -13,7 +14,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 
-use crate::decide::Reject;
+use crate::decide::{Reject, Routed};
 
 /// The routing header and metadata key of the endpoint-picker protocol.
 pub(crate) const DESTINATION: &str = "x-gateway-destination-endpoint";
@@ -37,25 +38,63 @@ pub(crate) fn set_header(key: &str, value: &[u8]) -> HeaderValueOption {
     }
 }
 
-/// `{"envoy.lb": {"x-gateway-destination-endpoint": destination}}`.
-pub(crate) fn destination_metadata(destination: &str) -> Struct {
-    let inner = Struct {
-        fields: [(
-            DESTINATION.to_owned(),
-            Value {
-                kind: Some(Kind::StringValue(destination.to_owned())),
-            },
-        )]
-        .into_iter()
-        .collect(),
-    };
+/// The namespace of kv-epp's own dynamic metadata (for access logs:
+/// `%DYNAMIC_METADATA(kv-epp:salt_fingerprint)%`, ...).
+pub(crate) const DECISION_NAMESPACE: &str = "kv-epp";
+
+fn string(s: impl Into<String>) -> Value {
+    Value {
+        kind: Some(Kind::StringValue(s.into())),
+    }
+}
+
+fn number(n: f64) -> Value {
+    Value {
+        kind: Some(Kind::NumberValue(n)),
+    }
+}
+
+fn namespace(fields: Vec<(&str, Value)>) -> Value {
+    Value {
+        kind: Some(Kind::StructValue(Struct {
+            fields: fields.into_iter().map(|(k, v)| (k.to_owned(), v)).collect(),
+        })),
+    }
+}
+
+/// The dynamic metadata of a decision: `envoy.lb` with the destination (what the gateway routes
+/// on), and `kv-epp` with what an operator chasing a cache miss reads in the access log: the
+/// worker, the model, the salt's fingerprint (never the salt), prompt size, cached blocks, a
+/// digest of the token IDs and the prompt's last block hash (compare with `kv-epp tokenize` and
+/// `/explain`). Hashes and digests are 16 hex digits.
+pub(crate) fn decision_metadata(destination: &str, d: &Routed) -> Struct {
+    let hex = |v: u64| string(format!("{v:016x}"));
+    let mut kv = vec![
+        ("worker", string(d.pick.to_string())),
+        ("model", string(d.model_label.clone())),
+        ("prompt_blocks", number(f64::from(d.prompt_blocks))),
+        ("cached_blocks", number(d.cached_blocks)),
+    ];
+    if let Some(fp) = d.salt {
+        kv.push(("salt_fingerprint", string(fp.to_string())));
+    }
+    if let Some(n) = d.prompt_tokens {
+        kv.push(("prompt_tokens", number(n as f64)));
+    }
+    if let Some(t) = d.tokens_digest {
+        kv.push(("tokens_digest", hex(t)));
+    }
+    if let Some(p) = d.prefix_hash {
+        kv.push(("prefix_hash", hex(p.0)));
+    }
     Struct {
-        fields: [(
-            LB_NAMESPACE.to_owned(),
-            Value {
-                kind: Some(Kind::StructValue(inner)),
-            },
-        )]
+        fields: [
+            (
+                LB_NAMESPACE.to_owned(),
+                namespace(vec![(DESTINATION, string(destination))]),
+            ),
+            (DECISION_NAMESPACE.to_owned(), namespace(kv)),
+        ]
         .into_iter()
         .collect(),
     }
@@ -157,13 +196,15 @@ pub(crate) fn trailers(request: bool) -> ProcessingResponse {
 
 /// A local reply refusing the request: the status, reason header and OpenAI-style JSON body all
 /// come from the [`Reject`], plus `extra` headers (e.g. `Retry-After`).
-pub(crate) fn immediate(reject: &Reject, extra: Vec<HeaderValueOption>) -> ProcessingResponse {
+pub(crate) fn immediate(reject: &Reject, retry_after_seconds: u32) -> ProcessingResponse {
     let reason = reject.reason();
-    let mut headers = vec![
-        set_header("content-type", b"application/json"),
-        set_header("x-llm-d-request-dropped-reason", reason.as_bytes()),
-    ];
-    headers.extend(extra);
+    let mut headers = vec![set_header("content-type", b"application/json")];
+    headers.extend(
+        reject
+            .headers(retry_after_seconds)
+            .iter()
+            .map(|(k, v)| set_header(k, v.as_bytes())),
+    );
     ProcessingResponse {
         response: Some(Response::ImmediateResponse(ImmediateResponse {
             status: Some(HttpStatus {

@@ -29,7 +29,7 @@ use envoy_types::pb::google::protobuf::value::Kind;
 
 use super::messages::{self, DESTINATION, LB_NAMESPACE, Phase};
 use super::usage::UsageScanner;
-use crate::decide::{self, Decision, Picker, ROUTED, Reject, RequestParts, TOKENIZE_FAILED};
+use crate::decide::{self, Picker, ROUTED, Reject, RequestParts, Routed, TOKENIZE_FAILED};
 use crate::metrics::Metrics;
 use crate::salt::TENANT_HEADER;
 
@@ -89,8 +89,8 @@ enum State {
         body: Vec<u8>,
     },
     Routed {
-        /// Boxed: a decision (tokens, hashes, candidates) dwarfs the other states.
-        decision: Box<Decision>,
+        /// The booking and a fixed-size summary: never the tokens, hashes or reports.
+        decision: Routed,
         usage: Option<UsageScanner>,
     },
     Finished,
@@ -129,8 +129,8 @@ impl StreamHandler {
         matches!(self.state, State::Finished)
     }
 
-    /// The routing decision, once made.
-    pub fn decision(&self) -> Option<&Decision> {
+    /// What the stream keeps of its routing decision, once made.
+    pub fn decision(&self) -> Option<&Routed> {
         match &self.state {
             State::Routed { decision, .. } => Some(decision),
             _ => None,
@@ -335,16 +335,21 @@ impl StreamHandler {
             subset: head.subset.as_deref(),
             conformance: head.conformance_ips.as_deref(),
         };
-        let mut decision = match decide::decide(&self.picker, &parts) {
+        let request = match decide::understand(&self.picker, &parts) {
+            Ok(r) => r,
+            Err(reject) => return self.refuse(&reject),
+        };
+        if let Some(e) = &request.tokenize_failure {
+            // Counted whatever happens next: a refusal must not hide our own failure.
+            tracing::warn!(error = %e, "tokenization failed; routing on load alone");
+            let base = request.model.base.as_deref().unwrap_or("unknown");
+            metrics.request(base, TOKENIZE_FAILED);
+        }
+        let mut decision = match decide::decide_understood(&self.picker, request, &parts) {
             Ok(d) => d,
             Err(reject) => return self.refuse(&reject),
         };
         let label_model = decision.model_label().to_owned();
-        if let Some(e) = &decision.request.tokenize_failure {
-            tracing::warn!(error = %e, "tokenization failed; routing on load alone");
-            let named = decision.request.model.named.as_deref().unwrap_or("");
-            metrics.request(named, TOKENIZE_FAILED);
-        }
         metrics
             .decision_seconds
             .observe(started.elapsed().as_secs_f64());
@@ -366,10 +371,10 @@ impl StreamHandler {
             cached_blocks = decision.cached_blocks,
             "routed"
         );
-        // The stream keeps the decision (and its booking) until it ends; the rewritten body is
-        // sent now and need not be held that long.
         let rewritten = decision.request.rewritten_body.take();
         let destination = decision.destination();
+        // From here on the stream keeps only the booking and a fixed-size summary.
+        let decision = decision.into_routed();
         let mut set = vec![messages::set_header(DESTINATION, destination.as_bytes())];
         let mut body_mutation = None;
         if let (BodyMode::Buffered, Some(new)) = (self.request_mode, &rewritten) {
@@ -389,7 +394,7 @@ impl StreamHandler {
                 clear_route_cache: true,
                 ..CommonResponse::default()
             },
-            Some(messages::destination_metadata(&destination)),
+            Some(messages::decision_metadata(&destination, &decision)),
         )];
         if let (BodyMode::FullDuplex, Some(body), Phase::RequestHeaders) =
             (self.request_mode, body.as_deref(), phase)
@@ -403,7 +408,7 @@ impl StreamHandler {
         }
         (
             State::Routed {
-                decision: Box::new(decision),
+                decision,
                 usage: None,
             },
             out,
@@ -413,20 +418,13 @@ impl StreamHandler {
     /// Counts a refusal and answers it with a local reply.
     fn refuse(&self, reject: &Reject) -> (State, Vec<ProcessingResponse>) {
         self.metrics.request(reject.model_label(), reject.outcome());
-        let extra = if reject.retry_later() {
-            vec![messages::set_header(
-                "retry-after",
-                self.opts.retry_after_seconds.to_string().as_bytes(),
-            )]
-        } else {
-            Vec::new()
-        };
-        (State::Finished, vec![messages::immediate(reject, extra)])
+        let reply = messages::immediate(reject, self.opts.retry_after_seconds);
+        (State::Finished, vec![reply])
     }
 
     fn on_response_headers(
         &self,
-        decision: &Decision,
+        decision: &Routed,
         h: &HttpHeaders,
         metadata: Option<&Metadata>,
     ) -> (Option<UsageScanner>, Vec<ProcessingResponse>) {
@@ -476,9 +474,9 @@ impl StreamHandler {
         }
     }
 
-    fn record_usage(&self, decision: &Decision, scanner: UsageScanner) {
+    fn record_usage(&self, decision: &Routed, scanner: UsageScanner) {
         let Some(u) = scanner.finish() else { return };
-        let model = decision.model_label();
+        let model = decision.model_label.as_str();
         let m = &self.metrics;
         for (kind, n) in [
             ("prompt", u.prompt_tokens),

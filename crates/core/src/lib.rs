@@ -12,8 +12,9 @@
 //! - [`scoring`]: from overlap and load to a pick.
 //! - [`worker`]: worker identity.
 //!
-//! Deliberately absent, and kept out by this crate's dependencies: async runtimes, sockets, JSON,
-//! configuration files, the environment. Costs are per call and documented where they matter.
+//! Deliberately absent: async runtimes, JSON and configuration (this crate's dependencies keep
+//! them out), and files, sockets and the environment (`clippy.toml` beside this crate disallows
+//! the standard library's I/O here). Costs are per call and documented where they matter.
 
 pub mod engine_event;
 pub mod fingerprint;

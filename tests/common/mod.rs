@@ -4,6 +4,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod sim;
+pub mod tokenizer_cases;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -467,14 +467,7 @@ fn bench_index(pop: &Population, workers: usize, salted: bool) {
         .collect();
     let depth: usize = queries
         .iter()
-        .map(|q| {
-            index
-                .query(q)
-                .iter()
-                .map(|o| o.total_blocks as usize)
-                .max()
-                .unwrap_or(0)
-        })
+        .map(|q| index.best_total_blocks(q) as usize)
         .sum::<usize>()
         / queries.len().max(1);
     let lat = measure_queries(&index, &queries, QUERY_ROUNDS.load(Ordering::Relaxed));

@@ -24,8 +24,7 @@ use kv_epp_core::hashing::HashSeed;
 use kv_epp_core::index::holders::MAPPED_BYTES;
 use kv_epp_core::index::{EngineBlockHash, Medium, StoreBlocks};
 use kv_epp_core::scoring::ScoringConfig;
-use kv_epp_sim::fleet::{FleetSpec, Policy, simulate};
-use kv_epp_sim::latency::LatencyModel;
+use kv_epp_sim::fleet::{FleetSpec, Policy, one_and_replicas, simulate};
 use kv_epp_sim::workload::{GeneratorSpec, generate};
 
 struct Counting;
@@ -269,18 +268,9 @@ fn bench_hit_rate(full: bool) {
     ];
     for (name, mix) in mixes {
         let work = generate(&mix);
-        let mut spec = FleetSpec {
-            workers: 8,
-            num_blocks: 4096,
-            block_size: BS,
-            latency: LatencyModel::default(),
-            replicas: 1,
-        };
+        let spec = FleetSpec::new(8, 4096, BS);
         let policy = Policy::KvAware(ScoringConfig::default());
-        let one = simulate(&spec, &policy, &work);
-        spec.replicas = 3;
-        let three = simulate(&spec, &policy, &work);
-        spec.replicas = 1;
+        let (one, three) = one_and_replicas(&spec, 3, &policy, &work);
         let rr = simulate(&spec, &Policy::RoundRobin, &work).total();
         let (h1, h3) = (one.total().hit_rate(), three.total().hit_rate());
         println!(

@@ -113,7 +113,8 @@ fn picks(s: &Server) -> BTreeSet<String> {
         .collect()
 }
 
-async fn readiness(s: &Server) -> Option<ServingStatus> {
+/// What the gRPC health service says of `service` (`readiness` or `liveness`).
+async fn health(s: &Server, service: &str) -> Option<ServingStatus> {
     let url = format!("http://{}", s.health_addr);
     let ch = tonic::transport::Endpoint::from_shared(url)
         .ok()?
@@ -122,11 +123,15 @@ async fn readiness(s: &Server) -> Option<ServingStatus> {
         .ok()?;
     let r = HealthClient::new(ch)
         .check(HealthCheckRequest {
-            service: "readiness".into(),
+            service: service.into(),
         })
         .await
         .ok()?;
     ServingStatus::try_from(r.into_inner().status).ok()
+}
+
+async fn readiness(s: &Server) -> Option<ServingStatus> {
+    health(s, "readiness").await
 }
 
 async fn expect_readiness(s: &Server, want: ServingStatus) {
@@ -169,6 +174,21 @@ fn worker_ids(body: &[u8]) -> Vec<String> {
 
 fn app(name: &str) -> serde_json::Value {
     json!({ "app": name })
+}
+
+/// Puts the pool (pods labelled `app: vllm`, target port 8000) and a ready pod for each
+/// `(name, ip)` into `fake`, starts kv-epp discovering it (`config` named `name`), and waits
+/// until its workers are exactly those pods.
+async fn discovering(fake: &FakeKube, name: &str, pods: &[(&str, &str)]) -> Server {
+    fake.put(Res::PoolV1, NS, pool_v1(POOL, app("vllm"), &[8000]));
+    for (pod_name, ip) in pods {
+        fake.put(Res::Pods, NS, pod(pod_name, ip, true, app("vllm")));
+    }
+    let server = Server::start(&config(fake, name, "", "")).await.unwrap();
+    let want: Vec<String> = pods.iter().map(|(_, ip)| format!("{ip}:8000")).collect();
+    let want: Vec<&str> = want.iter().map(String::as_str).collect();
+    expect_workers(&server, &want).await;
+    server
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -412,11 +432,7 @@ async fn a_discovered_workers_events_feed_the_index_until_its_pod_goes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_410_gone_relists_and_the_state_is_exact() {
     let fake = FakeKube::start().await;
-    fake.put(Res::PoolV1, NS, pool_v1(POOL, app("vllm"), &[8000]));
-    fake.put(Res::Pods, NS, pod("a", "127.0.0.21", true, app("vllm")));
-    fake.put(Res::Pods, NS, pod("b", "127.0.0.22", true, app("vllm")));
-    let server = Server::start(&config(&fake, "gone", "", "")).await.unwrap();
-    expect_workers(&server, &["127.0.0.21:8000", "127.0.0.22:8000"]).await;
+    let server = discovering(&fake, "gone", &[("a", "127.0.0.21"), ("b", "127.0.0.22")]).await;
     let ok = common::eventually(DEADLINE_SECS, || fake.watches(Res::Pods) >= 1).await;
     assert!(ok, "kv-epp watches the pods after listing them");
     let (pool_lists, pod_lists) = (fake.lists(Res::PoolV1), fake.lists(Res::Pods));
@@ -450,12 +466,7 @@ async fn a_410_gone_relists_and_the_state_is_exact() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_api_outage_keeps_workers_and_flips_readiness_until_recovery() {
     let fake = FakeKube::start().await;
-    fake.put(Res::PoolV1, NS, pool_v1(POOL, app("vllm"), &[8000]));
-    fake.put(Res::Pods, NS, pod("a", "127.0.0.31", true, app("vllm")));
-    let server = Server::start(&config(&fake, "outage", "", ""))
-        .await
-        .unwrap();
-    expect_workers(&server, &["127.0.0.31:8000"]).await;
+    let server = discovering(&fake, "outage", &[("a", "127.0.0.31")]).await;
     expect_readiness(&server, ServingStatus::Serving).await;
 
     // Outage: after the configured timeout (1 s here) readiness goes NotServing; the last known
@@ -478,21 +489,10 @@ async fn an_api_outage_keeps_workers_and_flips_readiness_until_recovery() {
         BTreeSet::from(["127.0.0.31:8000".to_owned()])
     );
     // Liveness does not depend on discovery.
-    let url = format!("http://{}", server.health_addr);
-    let ch = tonic::transport::Endpoint::from_shared(url)
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let live = HealthClient::new(ch)
-        .check(HealthCheckRequest {
-            service: "liveness".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .status;
-    assert_eq!(live, ServingStatus::Serving as i32);
+    assert_eq!(
+        health(&server, "liveness").await,
+        Some(ServingStatus::Serving)
+    );
 
     // Recovery, with a change made while kv-epp could not see it.
     fake.put(Res::Pods, NS, pod("b", "127.0.0.32", true, app("vllm")));
@@ -585,26 +585,16 @@ async fn several_models_are_told_apart_by_a_pod_label() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_addresses_follow_the_services_endpoint_slices() {
     let fake = FakeKube::start().await;
-    fake.put(
-        Res::EndpointSlices,
-        NS,
-        endpoint_slice(
-            "peers-1",
-            "kv-epp-peers",
-            ("peer", 9004),
-            &[("127.0.0.61", true)],
-        ),
-    );
-    fake.put(
-        Res::EndpointSlices,
-        NS,
-        endpoint_slice(
-            "other",
-            "another-svc",
-            ("peer", 9004),
-            &[("127.0.0.69", true)],
-        ),
-    );
+    // A slice of `service`'s port `peer` (9004) listing (ip, ready) endpoints.
+    let put_slice = |name: &str, service: &str, eps: &[(&str, bool)]| {
+        fake.put(
+            Res::EndpointSlices,
+            NS,
+            endpoint_slice(name, service, ("peer", 9004), eps),
+        )
+    };
+    put_slice("peers-1", "kv-epp-peers", &[("127.0.0.61", true)]);
+    put_slice("other", "another-svc", &[("127.0.0.69", true)]);
     let kubeconfig = fake.kubeconfig(&tmp_dir("peers"));
     let client = kv_epp::discovery::client_for(Some(&kubeconfig))
         .await
@@ -613,37 +603,14 @@ async fn peer_addresses_follow_the_services_endpoint_slices() {
     wait_endpoints(&rx, &["127.0.0.61:9004"], &[]).await;
 
     // A bootstrapping replica appears not ready, then becomes ready.
-    fake.put(
-        Res::EndpointSlices,
-        NS,
-        endpoint_slice(
-            "peers-1",
-            "kv-epp-peers",
-            ("peer", 9004),
-            &[("127.0.0.61", true), ("127.0.0.62", false)],
-        ),
+    put_slice(
+        "peers-1",
+        "kv-epp-peers",
+        &[("127.0.0.61", true), ("127.0.0.62", false)],
     );
     wait_endpoints(&rx, &["127.0.0.61:9004"], &["127.0.0.62:9004"]).await;
-    fake.put(
-        Res::EndpointSlices,
-        NS,
-        endpoint_slice(
-            "peers-2",
-            "kv-epp-peers",
-            ("peer", 9004),
-            &[("127.0.0.62", true)],
-        ),
-    );
-    fake.put(
-        Res::EndpointSlices,
-        NS,
-        endpoint_slice(
-            "peers-1",
-            "kv-epp-peers",
-            ("peer", 9004),
-            &[("127.0.0.61", true)],
-        ),
-    );
+    put_slice("peers-2", "kv-epp-peers", &[("127.0.0.62", true)]);
+    put_slice("peers-1", "kv-epp-peers", &[("127.0.0.61", true)]);
     wait_endpoints(&rx, &["127.0.0.61:9004", "127.0.0.62:9004"], &[]).await;
 
     // A 410 with a lost deletion: the relist drops the vanished slice.
@@ -744,12 +711,7 @@ async fn discovery_works_over_https_with_the_clusters_ca() {
     // The in-cluster API is HTTPS under the service account's CA: rustls with ring verifies the
     // fake's self-signed certificate from the kubeconfig's certificate-authority file.
     let fake = FakeKube::start_tls().await;
-    fake.put(Res::PoolV1, NS, pool_v1(POOL, app("vllm"), &[8000]));
-    fake.put(Res::Pods, NS, pod("a", "127.0.0.91", true, app("vllm")));
-    let server = Server::start(&config(&fake, "https", "", ""))
-        .await
-        .unwrap();
-    expect_workers(&server, &["127.0.0.91:8000"]).await;
+    let server = discovering(&fake, "https", &[("a", "127.0.0.91")]).await;
     fake.put(Res::Pods, NS, pod("b", "127.0.0.92", true, app("vllm")));
     expect_workers(&server, &["127.0.0.91:8000", "127.0.0.92:8000"]).await;
     expect_readiness(&server, ServingStatus::Serving).await;

@@ -67,17 +67,13 @@ impl Rig {
     }
 
     async fn post(&self, headers: &[(&str, &str)], body: &[u8]) -> HttpResponse {
-        let mut h = vec![("content-type", "application/json")];
-        h.extend_from_slice(headers);
-        http(self.addr(), "POST", "/v1/completions", &h, body)
+        post_json(self.addr(), "/v1/completions", headers, body)
             .await
             .expect("request through envoy")
     }
 
     async fn chat(&self, headers: &[(&str, &str)], body: &[u8]) -> HttpResponse {
-        let mut h = vec![("content-type", "application/json")];
-        h.extend_from_slice(headers);
-        http(self.addr(), "POST", "/v1/chat/completions", &h, body)
+        post_json(self.addr(), "/v1/chat/completions", headers, body)
             .await
             .expect("request through envoy")
     }
@@ -300,11 +296,10 @@ async fn client_sees_kv_epp_rejections_with_reasons() {
     let slow = tokio::spawn({
         let addr = rig.addr();
         async move {
-            http(
+            post_json(
                 addr,
-                "POST",
                 "/v1/completions",
-                &[("content-type", "application/json")],
+                &[],
                 br#"{"model":"m","prompt":[1],"delay_ms":1500}"#,
             )
             .await
@@ -329,11 +324,10 @@ async fn no_ready_endpoint_is_503() {
     let config = kv_epp_config(&[], "");
     let server = Server::start(&config).await.unwrap();
     let envoy = Envoy::start(&bin, EnvoyShape::FullDuplex, server.grpc_addr.port()).await;
-    let r = http(
+    let r = post_json(
         ("127.0.0.1", envoy.port),
-        "POST",
         "/v1/completions",
-        &[("content-type", "application/json")],
+        &[],
         br#"{"model":"m","prompt":[1]}"#,
     )
     .await
@@ -370,15 +364,9 @@ async fn concurrent_requests_with_aborts_leave_no_bookings() {
                     None
                 }
                 _ => Some(
-                    http(
-                        addr,
-                        "POST",
-                        "/v1/completions",
-                        &[("content-type", "application/json")],
-                        &body,
-                    )
-                    .await
-                    .map(|r| (r.status, r.text())),
+                    post_json(addr, "/v1/completions", &[], &body)
+                        .await
+                        .map(|r| (r.status, r.text())),
                 ),
             }
         }));

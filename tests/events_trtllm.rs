@@ -5,12 +5,11 @@ mod common;
 
 use std::sync::{Arc, Mutex};
 
-use common::{eventually, http};
+use common::{eventually, http, wait_worker_blocks};
 use kv_epp::config::Config;
 use kv_epp::server::Server;
 use kv_epp_core::namespace::Namespace;
 use kv_epp_core::salt::{CacheSalt, SaltSource};
-use kv_epp_core::worker::WorkerId;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 
@@ -73,29 +72,12 @@ async fn polls_apply_once_and_survive_garbage() {
         eventually(5, || queue.lock().unwrap().is_empty()).await,
         "all drained"
     );
-    let id = WorkerId::new(engine);
-    assert!(
-        eventually(5, || server
-            .picker
-            .models
-            .index("m")
-            .unwrap()
-            .worker_blocks(&id)
-            .unwrap()
-            == 1)
-        .await
+    assert!(wait_worker_blocks(&server, engine, 1).await);
+    let tokens = [1, 2, 3, 4, 5, 6, 7, 8];
+    assert_eq!(
+        common::sim::believed(server.admin_addr, engine, &tokens, Some("tenant-a")).await,
+        4
     );
-    let r = http(
-        server.admin_addr,
-        "POST",
-        "/query",
-        &[("x-tenant-id", "tenant-a")],
-        br#"{"model":"m","token_ids":[1,2,3,4,5,6,7,8]}"#,
-    )
-    .await
-    .unwrap();
-    let v: Value = serde_json::from_slice(&r.body).unwrap();
-    assert_eq!(v["instances"][0]["overlap_tokens"], 4, "{v}");
     let w = http(server.admin_addr, "GET", "/workers", &[], b"")
         .await
         .unwrap();

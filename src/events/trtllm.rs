@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::engine_event::{self, EngineEvent, EventCounters, TIER_DEVICE, TIER_OFFLOAD};
+use crate::engine_event::{self, EngineEvent, EventCounters, StoredRun, TIER_DEVICE, TIER_OFFLOAD};
 use crate::httpc;
 use crate::index::{EngineBlockHash, KvIndex, Medium};
 use crate::namespace::{self, ExtraKey};
@@ -147,7 +147,7 @@ fn stored(bs: usize, data: &Value) -> Result<Option<EngineEvent>, &'static str> 
     } else {
         Medium::Offload
     };
-    Ok(Some(EngineEvent::Stored {
+    Ok(Some(EngineEvent::Stored(StoredRun {
         parent,
         root_seed,
         engine_hashes: hashes,
@@ -155,7 +155,7 @@ fn stored(bs: usize, data: &Value) -> Result<Option<EngineEvent>, &'static str> 
         medium,
         // Checked above block by block against the model's: full blocks only.
         block_size: None,
-    }))
+    })))
 }
 
 /// Where a poller's decoded events go.
@@ -272,12 +272,7 @@ mod tests {
 
     fn overlap(idx: &KvIndex, toks: &[u32], salt: Option<&str>) -> u32 {
         let s = salt.map(|s| CacheSalt::new(s, SaltSource::Body).unwrap().unwrap());
-        let seqs = prompt_hashes(toks, 2, seed_for(s.as_ref(), None)).1;
-        idx.query(&seqs)
-            .iter()
-            .map(|o| o.total_blocks)
-            .max()
-            .unwrap_or(0)
+        idx.best_total_blocks(&prompt_hashes(toks, 2, seed_for(s.as_ref(), None)).1)
     }
 
     #[test]

@@ -13,7 +13,7 @@
 
 use rmpv::Value;
 
-use crate::engine_event::EngineEvent;
+use crate::engine_event::{EngineEvent, StoredRun};
 use crate::index::{EngineBlockHash, Medium};
 use crate::namespace::{self, ExtraKey};
 
@@ -85,14 +85,14 @@ impl Event {
                 } else {
                     None // inherited from the parent inside the index
                 };
-                Neutral::Event(EngineEvent::Stored {
+                Neutral::Event(EngineEvent::Stored(StoredRun {
                     parent: st.parent,
                     root_seed,
                     engine_hashes: st.block_hashes,
                     tokens: st.token_ids,
                     medium: Medium::from_engine(st.medium.as_deref()),
                     block_size: Some(st.block_size),
-                })
+                }))
             }
             Event::Removed {
                 block_hashes,
@@ -532,14 +532,9 @@ mod tests {
             })
         };
         let seed_of = |ev: Event| match ev.into_neutral() {
-            Neutral::Event(EngineEvent::Stored {
-                root_seed,
-                medium,
-                block_size,
-                ..
-            }) => {
-                assert_eq!((medium, block_size), (Medium::Offload, Some(4)));
-                root_seed
+            Neutral::Event(EngineEvent::Stored(run)) => {
+                assert_eq!((run.medium, run.block_size), (Medium::Offload, Some(4)));
+                run.root_seed
             }
             other => panic!("{other:?}"),
         };

@@ -37,7 +37,7 @@ use tokio::sync::watch;
 use super::ReplicaState;
 use super::members::authed;
 use super::pb;
-use crate::engine_event::{self, EngineEvent, EventCounters};
+use crate::engine_event::{self, EngineEvent, EventCounters, StoredRun};
 use crate::events::trtllm::EventSink;
 use crate::hashing::HashSeed;
 use crate::index::{EngineBlockHash, Medium};
@@ -386,30 +386,23 @@ fn split_event(ev: EngineEvent, max: usize) -> Vec<EngineEvent> {
         return vec![ev];
     }
     match ev {
-        EngineEvent::Stored {
-            parent,
-            root_seed,
-            engine_hashes,
-            tokens,
-            medium,
-            block_size,
-        } => {
-            let n = engine_hashes.len().max(1);
+        EngineEvent::Stored(whole) => {
+            let n = whole.engine_hashes.len().max(1);
             let per_block = size.div_ceil(n);
             let run = (max.saturating_sub(64) / per_block.max(1)).max(1);
-            let bs = tokens.len() / n;
+            let bs = whole.tokens.len() / n;
             let mut out = Vec::new();
-            let mut prev = parent;
-            for (i, hashes) in engine_hashes.chunks(run).enumerate() {
+            let mut prev = whole.parent;
+            for (i, hashes) in whole.engine_hashes.chunks(run).enumerate() {
                 let start = i * run * bs;
-                out.push(EngineEvent::Stored {
+                out.push(EngineEvent::Stored(StoredRun {
                     parent: prev,
-                    root_seed: if i == 0 { root_seed } else { None },
+                    root_seed: if i == 0 { whole.root_seed } else { None },
                     engine_hashes: hashes.to_vec(),
-                    tokens: tokens[start..start + hashes.len() * bs].to_vec(),
-                    medium,
-                    block_size,
-                });
+                    tokens: whole.tokens[start..start + hashes.len() * bs].to_vec(),
+                    medium: whole.medium,
+                    block_size: whole.block_size,
+                }));
                 prev = hashes.last().copied();
             }
             out
@@ -431,20 +424,14 @@ fn split_event(ev: EngineEvent, max: usize) -> Vec<EngineEvent> {
 fn to_pb(ev: &EngineEvent) -> pb::RelayEvent {
     use pb::relay_event::Kind;
     let kind = match ev {
-        EngineEvent::Stored {
-            parent,
-            root_seed,
-            engine_hashes,
-            tokens,
-            medium,
-            // The owner checked it before relaying; peers share the model's configuration.
-            block_size: _,
-        } => Kind::Stored(pb::StoredEvent {
-            parent: parent.map(|p| p.0),
-            root_seed: root_seed.map(|s| s.0),
-            engine_hashes: engine_hashes.iter().map(|h| h.0).collect(),
-            tokens: tokens.clone(),
-            offload: *medium == Medium::Offload,
+        // `block_size` is not sent: the owner checked it before relaying, and peers share the
+        // model's configuration.
+        EngineEvent::Stored(run) => Kind::Stored(pb::StoredEvent {
+            parent: run.parent.map(|p| p.0),
+            root_seed: run.root_seed.map(|s| s.0),
+            engine_hashes: run.engine_hashes.iter().map(|h| h.0).collect(),
+            tokens: run.tokens.clone(),
+            offload: run.medium == Medium::Offload,
         }),
         EngineEvent::Removed {
             engine_hashes,
@@ -461,7 +448,7 @@ fn to_pb(ev: &EngineEvent) -> pb::RelayEvent {
 fn from_pb(ev: &pb::RelayEvent) -> Option<EngineEvent> {
     use pb::relay_event::Kind;
     Some(match ev.kind.as_ref()? {
-        Kind::Stored(s) => EngineEvent::Stored {
+        Kind::Stored(s) => EngineEvent::Stored(StoredRun {
             parent: s.parent.map(EngineBlockHash),
             root_seed: s.root_seed.map(HashSeed),
             engine_hashes: s
@@ -477,7 +464,7 @@ fn from_pb(ev: &pb::RelayEvent) -> Option<EngineEvent> {
                 Medium::Device
             },
             block_size: None,
-        },
+        }),
         Kind::Removed(r) => EngineEvent::Removed {
             engine_hashes: r
                 .engine_hashes
@@ -654,14 +641,14 @@ mod tests {
     fn oversized_drains_split_into_batches_that_apply_alike() {
         let bs = 4;
         let n = 500u64;
-        let ev = EngineEvent::Stored {
+        let ev = EngineEvent::Stored(StoredRun {
             parent: None,
             root_seed: Some(HashSeed::new(None, Some("tenant"))),
             engine_hashes: (0..n).map(EngineBlockHash).collect(),
             tokens: (0..n as u32 * bs).collect(),
             medium: Medium::Device,
             block_size: Some(bs as usize),
-        };
+        });
         let rm = EngineEvent::Removed {
             engine_hashes: (0..n).step_by(7).map(EngineBlockHash).collect(),
             tiers: 0b01,

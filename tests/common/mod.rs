@@ -4,6 +4,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod sim;
+pub mod tokenizer_cases;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -267,6 +268,18 @@ pub async fn http(
     })
 }
 
+/// One JSON POST (`content-type` set, plus `headers`) through [`http`].
+pub async fn post_json(
+    addr: impl tokio::net::ToSocketAddrs,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> std::io::Result<HttpResponse> {
+    let mut h = vec![("content-type", "application/json")];
+    h.extend_from_slice(headers);
+    http(addr, "POST", path, &h, body).await
+}
+
 /// Sends the headers and `sent` bytes of a `total`-byte body, then drops the connection.
 pub async fn abort_mid_body(addr: SocketAddr, path: &str, body: &[u8], sent: usize) {
     let Ok(mut s) = TcpStream::connect(addr).await else {
@@ -417,6 +430,18 @@ pub fn kv_epp_config(workers: &[SocketAddr], extra: &str) -> kv_epp::config::Con
     let c = kv_epp::config::Config::from_yaml(&yaml).unwrap();
     c.validate().unwrap();
     c
+}
+
+/// Waits (15 s at most) until `server`'s index of model `m` holds exactly `blocks` blocks of
+/// `worker`: the engine's events so far were applied.
+pub async fn wait_worker_blocks(
+    server: &kv_epp::server::Server,
+    worker: SocketAddr,
+    blocks: usize,
+) -> bool {
+    let id = kv_epp_core::worker::WorkerId::new(worker);
+    let index = server.picker.models.index("m").unwrap();
+    eventually(15, || index.worker_blocks(&id).unwrap() == blocks).await
 }
 
 /// Polls `f` until it returns true or `secs` pass.

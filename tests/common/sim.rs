@@ -71,11 +71,10 @@ pub fn fwd(tenant: &str) -> String {
 /// Sends a completion straight to the worker, salted as kv-epp would forward it.
 pub async fn send(w: &SimWorker, tokens: &[u32], tenant: &str) {
     let body = json!({"model": "m", "prompt": tokens, "max_tokens": 1, "cache_salt": fwd(tenant)});
-    let r = super::http(
+    let r = super::post_json(
         w.http_addr,
-        "POST",
         "/v1/completions",
-        &[("content-type", "application/json")],
+        &[],
         body.to_string().as_bytes(),
     )
     .await

@@ -10,22 +10,16 @@ from __future__ import annotations
 import copy
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
-try:
-    import helm_python
-    import yaml
-except ImportError as missing:  # pragma: no cover - depends on the environment
-    if os.environ.get("CI") == "true":
-        raise ImportError(
-            f"{missing}: the chart tests need helm-python-sdk and PyYAML from "
-            "requirements-test.txt (run `make tools`)"
-        ) from missing
-    pytest.skip(f"{missing}; run `make tools` to install the Helm engine", allow_module_level=True)
-
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+from pyhelpers import require_modules  # noqa: E402
+
+helm_python, yaml = require_modules(helm_python="helm-python-sdk", yaml="PyYAML")
 CHART = ROOT / "deploy" / "helm" / "kv-epp"
 GATEWAY = ROOT / "deploy" / "gateway"
 RELEASE = "llama"

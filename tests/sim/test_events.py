@@ -16,6 +16,7 @@ import os
 import random
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -24,18 +25,11 @@ from typing import Any, Union
 
 import pytest
 
-try:
-    import msgspec
-    import zmq
-except ImportError as missing:  # pragma: no cover - depends on the environment
-    if os.environ.get("CI") == "true":
-        raise ImportError(
-            f"{missing}: the sim-worker tests need msgspec and pyzmq from requirements-test.txt "
-            "(run `make tools`)"
-        ) from missing
-    pytest.skip(f"{missing}; run `make tools` to install msgspec and pyzmq", allow_module_level=True)
-
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+from pyhelpers import require_modules  # noqa: E402
+
+msgspec, zmq = require_modules(msgspec="msgspec", zmq="pyzmq")
 BIN = Path(os.environ.get("KV_EPP_SIM_BIN", ROOT / "target" / "debug" / "kv-epp-sim"))
 if not BIN.is_file():  # pragma: no cover - depends on the environment
     if os.environ.get("CI") == "true":
@@ -49,22 +43,33 @@ Hash = Union[int, bytes]
 # Legacy layout: tag-first arrays, fields in declaration order.
 
 
-class ArrStored(msgspec.Struct, array_like=True, tag="BlockStored"):
-    block_hashes: list[Hash]
-    parent_block_hash: Union[Hash, None]
-    token_ids: list[int]
-    block_size: int
-    lora_id: Union[int, None] = None
-    medium: Union[str, None] = None
-    lora_name: Union[str, None] = None
-    extra_keys: Union[list[Union[list[Any], None]], None] = None
-    group_idx: Union[int, None] = None
-    kv_cache_spec_kind: Union[str, None] = None
-    kv_cache_spec_sliding_window: Union[int, None] = None
-    locality: Union[str, None] = None
-    ownership: Union[str, None] = None
-    session_id: Union[str, None] = None
-    lookahead_token_ids: Union[list[int], None] = None
+def stored_fields(*, lora_and_medium_required: bool) -> list[tuple]:
+    """BlockStored's fields in wire order, the same in both layouts; only whether `lora_id`,
+    `medium` and `lora_name` may be missing differs (trailing in the legacy arrays, required keys
+    in the maps)."""
+    default = () if lora_and_medium_required else (None,)
+    return [
+        ("block_hashes", list[Hash]),
+        ("parent_block_hash", Union[Hash, None]),
+        ("token_ids", list[int]),
+        ("block_size", int),
+        ("lora_id", Union[int, None], *default),
+        ("medium", Union[str, None], *default),
+        ("lora_name", Union[str, None], *default),
+        ("extra_keys", Union[list[Union[list[Any], None]], None], None),
+        ("group_idx", Union[int, None], None),
+        ("kv_cache_spec_kind", Union[str, None], None),
+        ("kv_cache_spec_sliding_window", Union[int, None], None),
+        ("locality", Union[str, None], None),
+        ("ownership", Union[str, None], None),
+        ("session_id", Union[str, None], None),
+        ("lookahead_token_ids", Union[list[int], None], None),
+    ]
+
+
+ArrStored = msgspec.defstruct(
+    "ArrStored", stored_fields(lora_and_medium_required=False), array_like=True, tag="BlockStored"
+)
 
 
 class ArrRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
@@ -88,22 +93,9 @@ class ArrBatch(msgspec.Struct, array_like=True):
 # Current layout: maps tagged by "type"; fields without a default must be present.
 
 
-class MapStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
-    block_hashes: list[Hash]
-    parent_block_hash: Union[Hash, None]
-    token_ids: list[int]
-    block_size: int
-    lora_id: Union[int, None]
-    medium: Union[str, None]
-    lora_name: Union[str, None]
-    extra_keys: Union[list[Union[list[Any], None]], None] = None
-    group_idx: Union[int, None] = None
-    kv_cache_spec_kind: Union[str, None] = None
-    kv_cache_spec_sliding_window: Union[int, None] = None
-    locality: Union[str, None] = None
-    ownership: Union[str, None] = None
-    session_id: Union[str, None] = None
-    lookahead_token_ids: Union[list[int], None] = None
+MapStored = msgspec.defstruct(
+    "MapStored", stored_fields(lora_and_medium_required=True), tag_field="type", tag="BlockStored"
+)
 
 
 class MapRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved"):

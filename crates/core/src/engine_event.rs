@@ -16,22 +16,8 @@ use crate::worker::WorkerId;
 /// One engine event, engine-neutral.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum EngineEvent {
-    /// New blocks (see [`StoreBlocks`]).
-    Stored {
-        /// The block before the first new one, if the event continues a sequence.
-        parent: Option<EngineBlockHash>,
-        /// The namespace seed of a sequence start, decoded by the namespace rule; `None` =
-        /// untrusted (never credited). Ignored for continuations, which inherit their parent's.
-        root_seed: Option<HashSeed>,
-        /// The engine's hashes of the new blocks.
-        engine_hashes: Vec<EngineBlockHash>,
-        /// Their tokens, `engine_hashes.len() * block_size` of them.
-        tokens: Vec<u32>,
-        /// Where they were stored.
-        medium: Medium,
-        /// Tokens per block, when the engine said (vLLM does); checked against the model's.
-        block_size: Option<usize>,
-    },
+    /// New blocks.
+    Stored(StoredRun),
     /// Blocks that left some tiers.
     Removed {
         /// The engine's hashes.
@@ -41,6 +27,39 @@ pub enum EngineEvent {
     },
     /// Everything the worker held is gone.
     Cleared,
+}
+
+/// A run of new blocks in one event: the owned form of [`StoreBlocks`], plus the block size the
+/// engine announced. A named type (not variant fields) so that the writer, the relay's wire form
+/// and its splitter read the fields without each spelling out the whole variant.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredRun {
+    /// The block before the first new one, if the event continues a sequence.
+    pub parent: Option<EngineBlockHash>,
+    /// The namespace seed of a sequence start, decoded by the namespace rule; `None` =
+    /// untrusted (never credited). Ignored for continuations, which inherit their parent's.
+    pub root_seed: Option<HashSeed>,
+    /// The engine's hashes of the new blocks.
+    pub engine_hashes: Vec<EngineBlockHash>,
+    /// Their tokens, `engine_hashes.len() * block_size` of them.
+    pub tokens: Vec<u32>,
+    /// Where they were stored.
+    pub medium: Medium,
+    /// Tokens per block, when the engine said (vLLM does); checked against the model's.
+    pub block_size: Option<usize>,
+}
+
+impl StoredRun {
+    /// The run as the index's store takes it (borrowed; nothing is copied).
+    pub fn as_store(&self) -> StoreBlocks<'_> {
+        StoreBlocks {
+            parent: self.parent,
+            root_seed: self.root_seed,
+            engine_hashes: &self.engine_hashes,
+            tokens: &self.tokens,
+            medium: self.medium,
+        }
+    }
 }
 
 /// Tier bit of device memory in [`EngineEvent::Removed`].
@@ -101,15 +120,8 @@ pub fn apply(
     counters: &EventCounters,
 ) -> Result<(), ApplyError> {
     match event {
-        EngineEvent::Stored {
-            parent,
-            root_seed,
-            engine_hashes,
-            tokens,
-            medium,
-            block_size,
-        } => {
-            if let Some(bs) = *block_size
+        EngineEvent::Stored(run) => {
+            if let Some(bs) = run.block_size
                 && bs != index.block_size()
             {
                 counters.block_size_mismatch.fetch_add(1, Ordering::Relaxed);
@@ -118,19 +130,10 @@ pub fn apply(
                     model: index.block_size(),
                 });
             }
-            if parent.is_none() && root_seed.is_none() {
+            if run.parent.is_none() && run.root_seed.is_none() {
                 counters.foreign_namespace.fetch_add(1, Ordering::Relaxed);
             }
-            index.store(
-                worker,
-                &StoreBlocks {
-                    parent: *parent,
-                    root_seed: *root_seed,
-                    engine_hashes,
-                    tokens,
-                    medium: *medium,
-                },
-            )?;
+            index.store(worker, &run.as_store())?;
         }
         EngineEvent::Removed {
             engine_hashes,
@@ -174,23 +177,18 @@ mod tests {
     }
 
     fn stored(parent: Option<u64>, seed: Option<HashSeed>, hashes: &[u64]) -> EngineEvent {
-        EngineEvent::Stored {
+        EngineEvent::Stored(StoredRun {
             parent: parent.map(EngineBlockHash),
             root_seed: seed,
             engine_hashes: hashes.iter().copied().map(EngineBlockHash).collect(),
             tokens: hashes.iter().flat_map(|&h| [h as u32; BS]).collect(),
             medium: Medium::Device,
             block_size: Some(BS),
-        }
+        })
     }
 
     fn credit(idx: &KvIndex, tokens: &[u32], seed: HashSeed) -> u32 {
-        let seqs = prompt_hashes(tokens, BS, seed).1;
-        idx.query(&seqs)
-            .iter()
-            .map(|o| o.total_blocks)
-            .max()
-            .unwrap_or(0)
+        idx.best_total_blocks(&prompt_hashes(tokens, BS, seed).1)
     }
 
     #[test]
@@ -220,8 +218,8 @@ mod tests {
         let seed = HashSeed::UNSALTED;
         apply(&idx, &w, &stored(None, Some(seed), &[1]), &c).unwrap();
         let mut offload = stored(None, Some(seed), &[1]);
-        if let EngineEvent::Stored { medium, .. } = &mut offload {
-            *medium = Medium::Offload;
+        if let EngineEvent::Stored(run) = &mut offload {
+            run.medium = Medium::Offload;
         }
         apply(&idx, &w, &offload, &c).unwrap();
         let rm = |tiers| EngineEvent::Removed {
@@ -241,8 +239,8 @@ mod tests {
         let (idx, w) = setup();
         let c = EventCounters::default();
         let mut ev = stored(None, Some(HashSeed::UNSALTED), &[1]);
-        if let EngineEvent::Stored { block_size, .. } = &mut ev {
-            *block_size = Some(BS + 1);
+        if let EngineEvent::Stored(run) = &mut ev {
+            run.block_size = Some(BS + 1);
         }
         assert_eq!(
             apply(&idx, &w, &ev, &c),
@@ -255,8 +253,8 @@ mod tests {
         assert_eq!(c.applied.load(Ordering::Relaxed), 0);
         assert_eq!(idx.worker_blocks(&w).unwrap(), 0);
         // An engine that does not say its block size is trusted to use the model's.
-        if let EngineEvent::Stored { block_size, .. } = &mut ev {
-            *block_size = None;
+        if let EngineEvent::Stored(run) = &mut ev {
+            run.block_size = None;
         }
         apply(&idx, &w, &ev, &c).unwrap();
         assert_eq!(idx.worker_blocks(&w).unwrap(), 1);
@@ -316,14 +314,14 @@ mod tests {
             let tokens: Vec<u32> = blocks.iter().flat_map(|&b| [b; BS]).collect();
             let hashes: Vec<u64> = (1..=blocks.len() as u64).collect();
             let split = split.min(blocks.len());
-            let ev = |parent: Option<u64>, range: std::ops::Range<usize>| EngineEvent::Stored {
+            let ev = |parent: Option<u64>, range: std::ops::Range<usize>| EngineEvent::Stored(StoredRun {
                 parent: parent.map(EngineBlockHash),
                 root_seed: None,
                 engine_hashes: hashes[range.clone()].iter().copied().map(EngineBlockHash).collect(),
                 tokens: tokens[range.start * BS..range.end * BS].to_vec(),
                 medium: Medium::Device,
                 block_size: Some(BS),
-            };
+            });
             apply(&idx, &w, &ev(None, 0..split.max(1)), &c).unwrap();
             if split >= 1 && split < blocks.len() {
                 apply(&idx, &w, &ev(Some(hashes[split - 1]), split..blocks.len()), &c).unwrap();

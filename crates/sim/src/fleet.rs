@@ -22,7 +22,9 @@ use kv_epp::workers::{Booking, Workers};
 use crate::latency::LatencyModel;
 use crate::prefix_cache::{CacheEvent, CacheRequest, EngineDigest, ExtraKey, PrefixCache};
 use crate::workload::WorkloadRequest;
-use kv_epp_core::engine_event::{self as writer, EngineEvent, EventCounters, TIER_DEVICE};
+use kv_epp_core::engine_event::{
+    self as writer, EngineEvent, EventCounters, StoredRun, TIER_DEVICE,
+};
 use kv_epp_core::fingerprint::FingerprintKey;
 use kv_epp_core::index::{EngineBlockHash, IndexLimits, KvIndex, Medium};
 use kv_epp_core::namespace::{self, Namespace};
@@ -54,6 +56,20 @@ pub struct FleetSpec {
     /// balancer spreads them). Each has its own index fed by every engine's events, and knows
     /// only the in-flight requests it routed itself.
     pub replicas: usize,
+}
+
+impl FleetSpec {
+    /// `workers` engines of `num_blocks` blocks of `block_size` tokens, with the default latency
+    /// model, behind one kv-epp.
+    pub fn new(workers: usize, num_blocks: usize, block_size: usize) -> FleetSpec {
+        FleetSpec {
+            workers,
+            num_blocks,
+            block_size,
+            latency: LatencyModel::default(),
+            replicas: 1,
+        }
+    }
 }
 
 /// Per-tenant results.
@@ -327,6 +343,25 @@ pub fn simulate(spec: &FleetSpec, policy: &Policy, requests: &[WorkloadRequest])
     report
 }
 
+/// The same `requests` routed by one kv-epp and by `replicas` active-active replicas in front of
+/// the same fleet (the rest of `spec` as given): the comparison a replicated deployment must pass,
+/// since each replica sees every engine event but only the in-flight requests it routed.
+pub fn one_and_replicas(
+    spec: &FleetSpec,
+    replicas: usize,
+    policy: &Policy,
+    requests: &[WorkloadRequest],
+) -> (FleetReport, FleetReport) {
+    let with = |replicas| FleetSpec {
+        replicas,
+        ..spec.clone()
+    };
+    (
+        simulate(&with(1), policy, requests),
+        simulate(&with(replicas), policy, requests),
+    )
+}
+
 /// The engine-neutral form of one simulated engine event, as kv-epp's vLLM decoder would make it
 /// from the published event (same namespace rule, `namespace::root_seed`, on sequence starts).
 pub fn engine_event(ev: &CacheEvent, block_size: usize) -> EngineEvent {
@@ -352,14 +387,14 @@ pub fn engine_event(ev: &CacheEvent, block_size: usize) -> EngineEvent {
             } else {
                 None // inherited from the parent inside the index
             };
-            EngineEvent::Stored {
+            EngineEvent::Stored(StoredRun {
                 parent: parent.map(|p| EngineBlockHash(p.as_u64())),
                 root_seed,
                 engine_hashes: hashes(stored),
                 tokens: tokens.clone(),
                 medium: Medium::Device,
                 block_size: Some(block_size),
-            }
+            })
         }
         CacheEvent::Removed { hashes: removed } => EngineEvent::Removed {
             engine_hashes: hashes(removed),
@@ -380,17 +415,8 @@ mod tests {
             sessions_per_tenant: 4,
             ..GeneratorSpec::default()
         });
-        let mut spec = FleetSpec {
-            workers: 4,
-            num_blocks: 2048,
-            block_size: 16,
-            latency: LatencyModel::default(),
-            replicas: 1,
-        };
         let policy = Policy::KvAware(ScoringConfig::default());
-        let one = simulate(&spec, &policy, &work);
-        spec.replicas = 3;
-        let three = simulate(&spec, &policy, &work);
+        let (one, three) = one_and_replicas(&FleetSpec::new(4, 2048, 16), 3, &policy, &work);
         let (h1, h3) = (one.total().hit_rate(), three.total().hit_rate());
         assert!(h1 > 0.3, "the workload has reuse: {h1}");
         assert_eq!(one.partial_load_views, 0);
@@ -409,13 +435,7 @@ mod tests {
 
     #[test]
     fn kv_aware_beats_round_robin_and_keeps_tenants_apart() {
-        let spec = FleetSpec {
-            workers: 4,
-            num_blocks: 2048,
-            block_size: 16,
-            latency: LatencyModel::default(),
-            replicas: 1,
-        };
+        let spec = FleetSpec::new(4, 2048, 16);
         let work = generate(&GeneratorSpec {
             sessions_per_tenant: 4,
             ..GeneratorSpec::default()

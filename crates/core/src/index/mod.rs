@@ -561,6 +561,16 @@ impl KvIndex {
         })
     }
 
+    /// The most leading blocks of `seqs` any one worker holds, in any tier (0 when none): the
+    /// best credit [`KvIndex::query`] can give a prompt. Same cost as `query`.
+    pub fn best_total_blocks(&self, seqs: &[SequenceHash]) -> u32 {
+        self.query(seqs)
+            .iter()
+            .map(|o| o.total_blocks)
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Heap bytes of the index's tables (holder slots and worker maps), for memory accounting.
     pub fn approx_heap_bytes(&self) -> usize {
         let workers: usize =

@@ -10,7 +10,6 @@ use std::path::PathBuf;
 
 use kv_epp_core::scoring::ScoringConfig;
 use kv_epp_sim::fleet::{FleetReport, FleetSpec, Policy, simulate};
-use kv_epp_sim::latency::LatencyModel;
 use kv_epp_sim::workload::{GeneratorSpec, generate, read_mooncake};
 
 /// Flags of `kv-epp-sim demo`.
@@ -83,13 +82,7 @@ pub(crate) fn run(args: &DemoArgs) -> Result<String, String> {
             }
         });
     }
-    let spec = FleetSpec {
-        workers: args.workers,
-        num_blocks: args.num_blocks,
-        block_size: args.block_size,
-        latency: LatencyModel::default(),
-        replicas: 1,
-    };
+    let spec = FleetSpec::new(args.workers, args.num_blocks, args.block_size);
     let kv = simulate(&spec, &Policy::KvAware(ScoringConfig::default()), &work);
     let rr = simulate(&spec, &Policy::RoundRobin, &work);
     let text = render(&work.len(), &spec, &kv, &rr);

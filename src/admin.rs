@@ -31,9 +31,9 @@ use serde_json::{Value, json};
 use crate::decide::Picker;
 use crate::decide::{self, Decision, Reject, RequestParts, Standing};
 use crate::events::Feeds;
-use crate::hashing::{LocalBlockHash, SequenceHash, sequence_hashes};
-use crate::index::Overlap;
-use crate::salt::{SaltField, SaltInputs, TENANT_HEADER};
+use kv_epp_core::hashing::{LocalBlockHash, SequenceHash, sequence_hashes};
+use kv_epp_core::index::Overlap;
+use kv_epp_core::salt::{SaltField, SaltInputs, TENANT_HEADER};
 
 /// Largest request body accepted.
 pub const MAX_BODY: usize = 8 << 20;

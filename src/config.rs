@@ -16,16 +16,16 @@ use crate::decide::{Picker, Policy};
 use crate::discovery::DiscoverySettings;
 pub use crate::discovery::{DEFAULT_MODEL_LABEL, PoolApiVersion, PoolConfig};
 pub use crate::events::EventEngine;
-use crate::fingerprint::FingerprintKey;
-use crate::index::IndexLimits;
 use crate::membership::{DesiredWorker, MembershipSettings};
 use crate::metrics::Metrics;
 use crate::models::{ModelSettings, ServedModels};
 pub use crate::replica::PeersConfig;
-use crate::salt::{SaltPolicy, SaltSource};
-use crate::scoring::ScoringConfig;
-use crate::worker::WorkerId;
 use crate::workers::Workers;
+use kv_epp_core::fingerprint::FingerprintKey;
+use kv_epp_core::index::IndexLimits;
+use kv_epp_core::salt::{SaltPolicy, SaltSource};
+use kv_epp_core::scoring::ScoringConfig;
+use kv_epp_core::worker::WorkerId;
 
 /// The whole configuration.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -301,7 +301,7 @@ impl Config {
     /// The served models, each with its tokenizer loaded when it names one (I/O: call once at
     /// start). Errors name the model.
     pub fn served_models(&self) -> Result<ServedModels, ConfigError> {
-        use crate::tokenize::{ModelTokenizer, TokenizerFiles};
+        use kv_epp_tokenize::{ModelTokenizer, TokenizerFiles};
         let mut settings = Vec::with_capacity(self.models.len());
         for (i, m) in self.models.iter().enumerate() {
             let tokenizer = match &m.tokenizer {

@@ -14,8 +14,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::httpc;
-use crate::scoring::EngineLoad;
 use crate::workers::WorkerRuntime;
+use kv_epp_core::scoring::EngineLoad;
 
 /// Largest metrics page read (vLLM's is a few tens of KiB).
 const MAX_PAGE: usize = 4 << 20;

@@ -20,7 +20,3 @@ pub mod replica;
 pub mod request;
 pub mod server;
 pub mod workers;
-
-// The layers below the product, named at the root so its modules read `crate::index`, etc.
-use kv_epp_core::{engine_event, fingerprint, hashing, index, namespace, salt, scoring, worker};
-use kv_epp_tokenize as tokenize;

@@ -18,8 +18,8 @@ use tokio::task::JoinHandle;
 use crate::events::subscriber::FeedEndpoints;
 use crate::events::{EventEngine, Feeds};
 use crate::models::ServedModels;
-use crate::worker::WorkerId;
 use crate::workers::Workers;
+use kv_epp_core::worker::WorkerId;
 
 /// One worker that should exist.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -8,8 +8,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::index::{IndexLimits, KvIndex};
-use crate::tokenize::{Endpoint, ModelTokenizer, TokenizeError, parse_request};
+use kv_epp_core::index::{IndexLimits, KvIndex};
+use kv_epp_tokenize::{Endpoint, ModelTokenizer, TokenizeError, parse_request};
 
 /// What the composition root knows about one base model.
 #[derive(Clone, Debug)]

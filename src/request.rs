@@ -7,7 +7,7 @@
 
 use serde_json::Value;
 
-use crate::salt::SaltField;
+use kv_epp_core::salt::SaltField;
 
 /// The prompt as the client sent it.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -11,10 +11,10 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use parking_lot::RwLock;
 
-use crate::index::KvIndex;
 use crate::metrics::Metrics;
-use crate::scoring::EngineLoad;
-use crate::worker::WorkerId;
+use kv_epp_core::index::KvIndex;
+use kv_epp_core::scoring::EngineLoad;
+use kv_epp_core::worker::WorkerId;
 
 /// Live state of one worker.
 pub struct WorkerRuntime {
@@ -186,7 +186,7 @@ impl Workers {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::index::IndexLimits;
+    use kv_epp_core::index::IndexLimits;
 
     #[test]
     fn bookings_release_exactly_once_and_workers_leave_their_index() {

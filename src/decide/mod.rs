@@ -30,16 +30,16 @@ use rand::rngs::SmallRng;
 pub use picker::{Picker, Policy, UnknownModel};
 pub use reject::{ROUTED, Reject, TOKENIZE_FAILED};
 
-use crate::fingerprint::Fingerprint;
 use crate::forward::rewrite_salt;
-use crate::hashing::{LocalBlockHash, SequenceHash, prompt_hashes};
-use crate::namespace::{Namespace, seed_for};
 use crate::request::{self, Prompt};
-use crate::salt::{CacheSalt, SaltInputs, SaltSource, resolve};
-use crate::scoring::{Candidate, EngineLoad, PickError, Scored, ScoringConfig, pick, score};
-use crate::tokenize::TokenizeError;
-use crate::worker::WorkerId;
 use crate::workers::{Booking, WorkerRuntime};
+use kv_epp_core::fingerprint::Fingerprint;
+use kv_epp_core::hashing::{LocalBlockHash, SequenceHash, prompt_hashes};
+use kv_epp_core::namespace::{Namespace, seed_for};
+use kv_epp_core::salt::{CacheSalt, SaltInputs, SaltSource, resolve};
+use kv_epp_core::scoring::{Candidate, EngineLoad, PickError, Scored, ScoringConfig, pick, score};
+use kv_epp_core::worker::WorkerId;
+use kv_epp_tokenize::TokenizeError;
 
 /// One request as an edge found it: the typed input of the pipeline.
 #[derive(Clone, Copy, Default)]

@@ -6,11 +6,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
-use crate::fingerprint::FingerprintKey;
 use crate::models::ServedModels;
-use crate::salt::SaltPolicy;
-use crate::scoring::ScoringConfig;
 use crate::workers::Workers;
+use kv_epp_core::fingerprint::FingerprintKey;
+use kv_epp_core::salt::SaltPolicy;
+use kv_epp_core::scoring::ScoringConfig;
 
 /// What to do with a request for a model that is not configured.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -8,8 +8,8 @@
 //! checks that every outcome is listed there).
 
 use crate::request::RequestError;
-use crate::salt::SaltError;
-use crate::tokenize::TokenizeError;
+use kv_epp_core::salt::SaltError;
+use kv_epp_tokenize::TokenizeError;
 
 /// The `outcome` label of a request that was routed.
 pub const ROUTED: &str = "routed";

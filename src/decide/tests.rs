@@ -4,9 +4,9 @@ use std::sync::Arc;
 
 use super::*;
 use crate::config::Config;
-use crate::hashing::HashSeed;
-use crate::index::{EngineBlockHash, Medium, StoreBlocks};
 use crate::metrics::Metrics;
+use kv_epp_core::hashing::HashSeed;
+use kv_epp_core::index::{EngineBlockHash, Medium, StoreBlocks};
 
 fn router(extra: &str) -> Picker {
     let yaml = format!(

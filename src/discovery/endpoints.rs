@@ -18,7 +18,7 @@ use serde_json::Value;
 use super::DiscoverySettings;
 use super::pool::PoolSpec;
 use crate::membership::DesiredWorker;
-use crate::worker::WorkerId;
+use kv_epp_core::worker::WorkerId;
 
 /// Why a pod that would be an endpoint was skipped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]

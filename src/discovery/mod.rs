@@ -32,7 +32,7 @@ use crate::membership::DesiredWorker;
 use crate::membership::Membership;
 use crate::metrics::Metrics;
 use crate::readiness::Readiness;
-use crate::worker::WorkerId;
+use kv_epp_core::worker::WorkerId;
 
 /// The InferencePool served, and how its workers are discovered.
 ///

@@ -3,7 +3,7 @@
 //! go.
 //!
 //! - `vllm.rs`: decoding vLLM's msgpack batches (both layouts, both hash forms) into the
-//!   engine-neutral [`EngineEvent`](crate::engine_event::EngineEvent).
+//!   engine-neutral [`EngineEvent`](kv_epp_core::engine_event::EngineEvent).
 //! - `subscriber.rs`: the ZeroMQ SUB/DEALER feed with sequence tracking and replay.
 //! - `trtllm.rs`: TensorRT-LLM's destructive HTTP drain, polled, into the same form.
 //!
@@ -20,9 +20,9 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use tokio::task::JoinHandle;
 
-use crate::engine_event::EventCounters;
-use crate::index::KvIndex;
-use crate::worker::WorkerId;
+use kv_epp_core::engine_event::EventCounters;
+use kv_epp_core::index::KvIndex;
+use kv_epp_core::worker::WorkerId;
 use subscriber::{Feed, FeedEndpoints, FeedStatus};
 
 /// Which event protocol the workers speak.

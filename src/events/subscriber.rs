@@ -17,9 +17,9 @@ use bytes::Bytes;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 use super::vllm::{Neutral, decode_batch};
-use crate::engine_event::{self, ApplyError, EventCounters};
-use crate::index::KvIndex;
-use crate::worker::WorkerId;
+use kv_epp_core::engine_event::{self, ApplyError, EventCounters};
+use kv_epp_core::index::KvIndex;
+use kv_epp_core::worker::WorkerId;
 
 /// End-of-replay marker sequence.
 const REPLAY_END: u64 = u64::MAX;

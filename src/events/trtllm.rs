@@ -21,11 +21,13 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::engine_event::{self, EngineEvent, EventCounters, StoredRun, TIER_DEVICE, TIER_OFFLOAD};
 use crate::httpc;
-use crate::index::{EngineBlockHash, KvIndex, Medium};
-use crate::namespace::{self, ExtraKey};
-use crate::worker::WorkerId;
+use kv_epp_core::engine_event::{
+    self, EngineEvent, EventCounters, StoredRun, TIER_DEVICE, TIER_OFFLOAD,
+};
+use kv_epp_core::index::{EngineBlockHash, KvIndex, Medium};
+use kv_epp_core::namespace::{self, ExtraKey};
+use kv_epp_core::worker::WorkerId;
 
 /// Largest drain response read.
 const MAX_DRAIN: usize = 64 << 20;
@@ -244,10 +246,10 @@ pub(crate) async fn poll(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hashing::prompt_hashes;
-    use crate::index::IndexLimits;
-    use crate::namespace::{Namespace, seed_for};
-    use crate::salt::{CacheSalt, SaltSource};
+    use kv_epp_core::hashing::prompt_hashes;
+    use kv_epp_core::index::IndexLimits;
+    use kv_epp_core::namespace::{Namespace, seed_for};
+    use kv_epp_core::salt::{CacheSalt, SaltSource};
     use serde_json::json;
 
     /// Normalizes and applies one event the way a poller and its sink do. `Err` = dropped.

@@ -13,9 +13,9 @@
 
 use rmpv::Value;
 
-use crate::engine_event::{EngineEvent, StoredRun};
-use crate::index::{EngineBlockHash, Medium};
-use crate::namespace::{self, ExtraKey};
+use kv_epp_core::engine_event::{EngineEvent, StoredRun};
+use kv_epp_core::index::{EngineBlockHash, Medium};
+use kv_epp_core::namespace::{self, ExtraKey};
 
 /// Deepest msgpack nesting accepted (real batches nest 4 levels).
 const MAX_DEPTH: usize = 16;
@@ -104,7 +104,9 @@ impl Event {
                 }
                 Neutral::Event(EngineEvent::Removed {
                     engine_hashes: block_hashes,
-                    tiers: crate::engine_event::tier_bit(Medium::from_engine(medium.as_deref())),
+                    tiers: kv_epp_core::engine_event::tier_bit(Medium::from_engine(
+                        medium.as_deref(),
+                    )),
                 })
             }
             Event::AllCleared => Neutral::Event(EngineEvent::Cleared),
@@ -518,7 +520,7 @@ mod tests {
 
     #[test]
     fn neutral_form_runs_the_namespace_rule_and_skips_other_groups() {
-        use crate::hashing::HashSeed;
+        use kv_epp_core::hashing::HashSeed;
         let st = |parent: Option<u64>, keys: Vec<ExtraKey>, group_idx| {
             Event::Stored(Stored {
                 block_hashes: vec![EngineBlockHash(2)],
@@ -559,14 +561,14 @@ mod tests {
             rm(Some("GPU"), 0).into_neutral(),
             Neutral::Event(EngineEvent::Removed {
                 engine_hashes: vec![EngineBlockHash(2)],
-                tiers: crate::engine_event::TIER_DEVICE
+                tiers: kv_epp_core::engine_event::TIER_DEVICE
             })
         );
         assert_eq!(
             rm(Some("CPU"), 0).into_neutral(),
             Neutral::Event(EngineEvent::Removed {
                 engine_hashes: vec![EngineBlockHash(2)],
-                tiers: crate::engine_event::TIER_OFFLOAD
+                tiers: kv_epp_core::engine_event::TIER_OFFLOAD
             })
         );
         assert_eq!(rm(None, 2).into_neutral(), Neutral::OtherGroup);

@@ -31,7 +31,7 @@ use super::messages::{self, DESTINATION, LB_NAMESPACE, Phase};
 use super::usage::UsageScanner;
 use crate::decide::{self, Picker, ROUTED, Reject, RequestParts, Routed, TOKENIZE_FAILED};
 use crate::metrics::Metrics;
-use crate::salt::TENANT_HEADER;
+use kv_epp_core::salt::TENANT_HEADER;
 
 /// Options of the stream handler (from the configuration).
 #[derive(Clone, Debug)]

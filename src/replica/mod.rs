@@ -35,8 +35,8 @@ use tonic::metadata::MetadataValue;
 use crate::events::Feeds;
 use crate::metrics::Metrics;
 use crate::readiness::Readiness;
-use crate::worker::WorkerId;
 use crate::workers::Workers;
+use kv_epp_core::worker::WorkerId;
 use members::Members;
 use relay::RelayHub;
 

@@ -37,13 +37,13 @@ use tokio::sync::watch;
 use super::ReplicaState;
 use super::members::authed;
 use super::pb;
-use crate::engine_event::{self, EngineEvent, EventCounters, StoredRun};
 use crate::events::trtllm::EventSink;
-use crate::hashing::HashSeed;
-use crate::index::{EngineBlockHash, Medium};
 use crate::metrics::Metrics;
-use crate::worker::WorkerId;
 use crate::workers::Workers;
+use kv_epp_core::engine_event::{self, EngineEvent, EventCounters, StoredRun};
+use kv_epp_core::hashing::HashSeed;
+use kv_epp_core::index::{EngineBlockHash, Medium};
+use kv_epp_core::worker::WorkerId;
 use prometheus_client::metrics::counter::Counter;
 
 /// Counters of the relay: `kv_epp_replica_relay_batches{kind}`, also shown by `/debug/replica`.
@@ -338,7 +338,7 @@ impl RelayHub {
     /// The worker and index a relayed batch is for: only workers this replica runs (a batch
     /// for a worker that left, or that discovery has not listed yet, is skipped and counted:
     /// at worst under-credit, never stale credit for a reused address).
-    fn place(&self, b: &pb::RelayBatch) -> Option<(WorkerId, Arc<crate::index::KvIndex>)> {
+    fn place(&self, b: &pb::RelayBatch) -> Option<(WorkerId, Arc<kv_epp_core::index::KvIndex>)> {
         let endpoint: SocketAddr = b.endpoint.parse().ok()?;
         let worker = WorkerId::with_rank(endpoint, b.dp_rank);
         let (model, index) = self.workers.worker_index(&worker)?;
@@ -635,7 +635,7 @@ async fn subscribe(state: Arc<ReplicaState>, addr: SocketAddr, instance: u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::index::{IndexLimits, KvIndex};
+    use kv_epp_core::index::{IndexLimits, KvIndex};
 
     #[test]
     fn oversized_drains_split_into_batches_that_apply_alike() {

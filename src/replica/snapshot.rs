@@ -22,9 +22,9 @@ use tonic::Status;
 use super::ReplicaState;
 use super::members::authed;
 use super::pb;
-use crate::hashing::{HashSeed, SequenceHash};
-use crate::index::{EngineBlockHash, ExportedBlock, KvIndex, WorkerExport};
-use crate::worker::WorkerId;
+use kv_epp_core::hashing::{HashSeed, SequenceHash};
+use kv_epp_core::index::{EngineBlockHash, ExportedBlock, KvIndex, WorkerExport};
+use kv_epp_core::worker::WorkerId;
 
 /// What a bootstrap restored.
 #[derive(Debug, Default)]

@@ -28,12 +28,14 @@ use axum::{Json, Router as HttpRouter};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::decide::Picker;
-use crate::decide::{self, Decision, Reject, RequestParts, Standing};
+use crate::decide::{self, Decision, Picker, Reject, RequestParts, Standing};
 use crate::events::Feeds;
+use crate::events::subscriber::{FeedEndpoints, FeedStatus};
+use crate::events::trtllm::PollStatus;
 use kv_epp_core::hashing::{LocalBlockHash, SequenceHash, sequence_hashes};
 use kv_epp_core::index::Overlap;
 use kv_epp_core::salt::{SaltField, SaltInputs, TENANT_HEADER};
+use kv_epp_core::worker::WorkerId;
 
 /// Largest request body accepted.
 pub const MAX_BODY: usize = 8 << 20;
@@ -289,14 +291,14 @@ async fn explain(State(s): State<AdminState>, body: axum::body::Bytes) -> Respon
         conformance: None,
     };
     match decide::explain(&s.picker, &parts) {
-        Ok(d) => Json(explanation(&d)).into_response(),
+        Ok(d) => Json(explanation(&d, &FeedStates::of(&s.feeds))).into_response(),
         Err(reject) => refusal(&reject, s.retry_after_seconds),
     }
 }
 
-/// The JSON of an explained decision. Token counts are blocks × block size; the salt appears
-/// as its source and fingerprint only.
-fn explanation(d: &Decision) -> Value {
+/// The JSON of an explained decision, with each candidate's event feed. Token counts are blocks ×
+/// block size; the salt appears as its source and fingerprint only.
+fn explanation(d: &Decision, feeds: &FeedStates) -> Value {
     let r = &d.request;
     let bs = r.hashes.block_size as u64;
     let candidates: Vec<Value> = d
@@ -346,6 +348,7 @@ fn explanation(d: &Decision) -> Value {
                 })),
                 "status": status,
                 "why": why,
+                "events": feeds.json(&c.worker),
             })
         })
         .collect();
@@ -471,9 +474,55 @@ async fn replica(State(s): State<AdminState>) -> Response {
     .into_response()
 }
 
+/// Every worker's event feed as the admin API shows it (`/workers`, each `/explain` candidate): a
+/// cold or disconnected feed explains a miss before any hash does.
+struct FeedStates {
+    zmq: Vec<(WorkerId, FeedEndpoints, Arc<FeedStatus>)>,
+    polls: Vec<(WorkerId, Arc<PollStatus>)>,
+}
+
+impl FeedStates {
+    fn of(feeds: &Feeds) -> FeedStates {
+        FeedStates {
+            zmq: feeds.statuses(),
+            polls: feeds.poll_statuses(),
+        }
+    }
+
+    fn json(&self, worker: &WorkerId) -> Option<Value> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let zmq = self.zmq.iter().find(|(id, _, _)| id == worker);
+        let feed = zmq.map(|(_, ep, st)| {
+            json!({
+                "events_endpoint": ep.events,
+                "replay_endpoint": ep.replay,
+                "connected": st.connected.load(Relaxed),
+                "last_sequence": st.next_seq.load(Relaxed).checked_sub(1),
+                "batches": st.batches.load(Relaxed),
+                "cold": st.cold.load(Relaxed),
+                "gaps": st.gaps.load(Relaxed),
+                "replayed": st.replayed.load(Relaxed),
+                "unfillable_gaps": st.unfillable.load(Relaxed),
+                "restarts": st.restarts.load(Relaxed),
+                "bad_payloads": st.bad_payloads.load(Relaxed),
+                "last_event_ms": st.last_event_ms.load(Relaxed),
+            })
+        });
+        feed.or_else(|| {
+            let (_, st) = self.polls.iter().find(|(id, _)| id == worker)?;
+            Some(json!({
+                "engine": "trtllm",
+                "connected": st.connected.load(Relaxed),
+                "polls": st.polls.load(Relaxed),
+                "failures": st.failures.load(Relaxed),
+                "applied": st.applied.load(Relaxed),
+            }))
+        })
+    }
+}
+
 async fn workers(State(s): State<AdminState>) -> Response {
-    let feeds = s.feeds.statuses();
-    let polls = s.feeds.poll_statuses();
+    let feeds = FeedStates::of(&s.feeds);
     let list: Vec<Value> = s
         .picker
         .workers
@@ -481,39 +530,6 @@ async fn workers(State(s): State<AdminState>) -> Response {
         .iter()
         .map(|w| {
             let blocks = w.index().and_then(|i| i.worker_blocks(&w.id).ok());
-            let feed = feeds
-                .iter()
-                .find(|(id, _, _)| *id == w.id)
-                .map(|(_, ep, st)| {
-                    use std::sync::atomic::Ordering::Relaxed;
-                    let next = st.next_seq.load(Relaxed);
-                    json!({
-                        "events_endpoint": ep.events,
-                        "replay_endpoint": ep.replay,
-                        "connected": st.connected.load(Relaxed),
-                        "last_sequence": next.checked_sub(1),
-                        "batches": st.batches.load(Relaxed),
-                        "cold": st.cold.load(Relaxed),
-                        "gaps": st.gaps.load(Relaxed),
-                        "replayed": st.replayed.load(Relaxed),
-                        "unfillable_gaps": st.unfillable.load(Relaxed),
-                        "restarts": st.restarts.load(Relaxed),
-                        "bad_payloads": st.bad_payloads.load(Relaxed),
-                        "last_event_ms": st.last_event_ms.load(Relaxed),
-                    })
-                });
-            let feed = feed.or_else(|| {
-                polls.iter().find(|(id, _)| *id == w.id).map(|(_, st)| {
-                    use std::sync::atomic::Ordering::Relaxed;
-                    json!({
-                        "engine": "trtllm",
-                        "connected": st.connected.load(Relaxed),
-                        "polls": st.polls.load(Relaxed),
-                        "failures": st.failures.load(Relaxed),
-                        "applied": st.applied.load(Relaxed),
-                    })
-                })
-            });
             json!({
                 "worker": w.id.endpoint.to_string(),
                 "dp_rank": w.id.dp_rank,
@@ -521,7 +537,7 @@ async fn workers(State(s): State<AdminState>) -> Response {
                 "ready": w.is_ready(),
                 "inflight": w.inflight(),
                 "blocks": blocks,
-                "events": feed,
+                "events": feeds.json(&w.id),
             })
         })
         .collect();

@@ -292,6 +292,27 @@ async fn end_to_end(map_layout: bool, bytes_hashes: bool) {
         "other tenant gets nothing"
     );
     assert_eq!(overlap(&server, &t, None).await, 0, "unsalted gets nothing");
+    // /explain shows the tenant's credit and, beside it, the worker's event feed: what an operator
+    // checks first when a prefix does not hit.
+    let body = serde_json::json!({
+        "path": "/v1/completions",
+        "headers": {"x-tenant-id": "tenant-a"},
+        "body": {"model": "m", "prompt": t},
+    });
+    let r = post_json(
+        server.admin_addr,
+        "/explain",
+        &[],
+        body.to_string().as_bytes(),
+    )
+    .await
+    .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    let c = &v["candidates"][0];
+    assert_eq!(c["overlap"]["total_tokens"], 16, "{v}");
+    assert_eq!(c["events"]["connected"], true, "{v}");
+    assert_eq!(c["events"]["cold"], false, "{v}");
+    assert_eq!(c["events"]["last_sequence"], 1, "{v}");
     // Seq 2 is lost (dropped at the publisher) and seq 3 reveals the gap: replay fills it.
     engine.publish(vec![engine.removed(&[14])], true).await;
     engine

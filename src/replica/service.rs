@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
 use super::ReplicaState;
@@ -167,9 +167,8 @@ pub async fn serve(
         let _ = stop.wait_for(|s| *s).await;
     };
     if let Err(e) = tonic::transport::Server::builder()
-        .tcp_nodelay(true)
         .add_service(svc)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), done)
+        .serve_with_incoming_shutdown(crate::server::incoming(listener), done)
         .await
     {
         tracing::error!(error = %e, "peer API server stopped");

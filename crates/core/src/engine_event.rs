@@ -112,7 +112,8 @@ pub enum ApplyError {
 
 /// Applies one event of `worker` to `index`: the only writer of engine events into an index.
 /// Counts `applied`, `block_size_mismatch` and `foreign_namespace` (an untrusted sequence start
-/// is still stored, under the unknown namespace, so its continuations and removals resolve).
+/// is still stored, under the unknown namespace, so its continuations and removals resolve, and
+/// a later re-announcement with a trusted namespace repairs it; see [`crate::index`]).
 pub fn apply(
     index: &KvIndex,
     worker: &WorkerId,
@@ -278,6 +279,36 @@ mod tests {
         for seed in [HashSeed::UNSALTED, seed_for(Some(&raw_salt), None)] {
             assert_eq!(credit(&idx, &[1, 1, 2, 2], seed), 0);
         }
+    }
+
+    #[test]
+    fn a_reannouncement_with_a_forwarded_salt_repairs_orphans() {
+        let (idx, w) = setup();
+        let c = EventCounters::default();
+        let a = salt("tenant-a");
+        let fwd = |s: &CacheSalt| ExtraKey::Str(Namespace::of(s).forwarded());
+        // Block 2 arrives before its parent (a lost batch); block 1 with a salt kv-epp did not
+        // forward: both orphans, never credited.
+        apply(&idx, &w, &stored(Some(1), None, &[2]), &c).unwrap();
+        let raw = root_seed(None, &[ExtraKey::Str("tenant-a".into())]);
+        apply(&idx, &w, &stored(None, raw, &[1]), &c).unwrap();
+        let seed_a = seed_for(Some(&a), None);
+        assert_eq!(credit(&idx, &[1, 1, 2, 2], seed_a), 0);
+        // vLLM re-announces the chain from block 0 with the forwarded salt.
+        let reannounced = root_seed(None, &[fwd(&a)]);
+        apply(&idx, &w, &stored(None, reannounced, &[1, 2]), &c).unwrap();
+        assert_eq!(credit(&idx, &[1, 1, 2, 2], seed_a), 2);
+        // Another tenant's re-announcement of the same engine blocks takes nothing from A.
+        let b = salt("tenant-b");
+        apply(
+            &idx,
+            &w,
+            &stored(None, root_seed(None, &[fwd(&b)]), &[1, 2]),
+            &c,
+        )
+        .unwrap();
+        assert_eq!(credit(&idx, &[1, 1, 2, 2], seed_a), 2);
+        assert_eq!(credit(&idx, &[1, 1, 2, 2], seed_for(Some(&b), None)), 0);
     }
 
     #[test]

@@ -13,6 +13,17 @@
 //! continuations resolve) but never entered into the holder table, so it can never be credited to
 //! any tenant. Fail closed.
 //!
+//! Repair of orphans: when a later store event covers a block held under the unknown namespace
+//! and resolves a trusted namespace itself (a trusted root, or a parent under a trusted
+//! namespace), that block is re-keyed under it and enters the holder table. Engines re-announce
+//! a chain from its first block (vLLM does), and each re-announced block is repaired as the
+//! event reaches it, so a full re-announcement credits the whole chain. Already-stored
+//! descendants that the re-announcement does not cover stay unknown until they are announced
+//! again themselves: finding them would need a child link per block and recomputing their
+//! prefix hashes would need their tokens, which the index does not keep. A block under a trusted
+//! namespace is never re-keyed, whatever the engine sends, so it can never move to another
+//! tenant.
+//!
 //! Capacity (documented policy): `capacity` bounds the (worker, block) pairs of the model; a store
 //! beyond it is rejected and counted, because engines report their own evictions and the index
 //! only ever grows past the engines' real capacity when removals were lost. `max_blocks_per_worker`
@@ -106,6 +117,9 @@ pub struct IndexCounters {
     pub unknown_namespace: AtomicU64,
     /// Blocks rejected because the index was at capacity.
     pub rejected_capacity: AtomicU64,
+    /// Unknown-namespace blocks re-keyed under a trusted namespace when the engine re-announced
+    /// their chain (now credited).
+    pub repaired: AtomicU64,
     /// Blocks dropped because their worker exceeded its limit.
     pub evicted: AtomicU64,
     /// Store requests whose token count did not match their block count.
@@ -133,12 +147,15 @@ pub struct StoreBlocks<'a> {
 /// What a store did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StoreOutcome {
-    /// Blocks newly indexed (or added to a new tier).
+    /// Blocks newly indexed (or added to a new tier, or repaired).
     pub stored: usize,
     /// Blocks kept under the unknown namespace.
     pub unknown_namespace: usize,
     /// Blocks rejected at capacity.
     pub rejected: usize,
+    /// Blocks that were under the unknown namespace and are now re-keyed under this event's
+    /// trusted one (also counted in `stored`).
+    pub repaired: usize,
     /// Whether the worker's whole state was dropped for exceeding its limit.
     pub worker_reset: bool,
 }
@@ -387,28 +404,57 @@ impl KvIndex {
                 }
             });
             prev = seq;
+            let at_capacity = || self.pairs.load(Ordering::Relaxed) >= self.limits.capacity;
             if let Some(existing) = blocks.get_mut(engine_hash) {
-                // Same engine block again (another tier, or a replayed event): merge tiers.
                 let tiers = existing.tiers() | bit;
-                let changed = tiers != existing.tiers();
-                existing.set_tiers(tiers);
-                if changed && existing.ns() != UNKNOWN_NS {
-                    self.holders.insert(existing.seq().0, entry.slot, bit);
-                    out.stored += 1;
+                match seq {
+                    // An orphan (kept under the unknown namespace because its parent was never
+                    // seen, or its root untrusted) that the engine now announces with a trusted
+                    // namespace: re-key it under that namespace so it is credited. It had no
+                    // holder slot and no namespace reference; it takes this event's reference
+                    // instead of releasing it. Only unknown blocks are re-keyed: a block already
+                    // under a trusted namespace keeps it (below), whatever the engine sends, so
+                    // tenant A's block can never become credited to tenant B.
+                    Some(seq) if existing.ns() == UNKNOWN_NS => {
+                        if at_capacity() {
+                            existing.set_tiers(tiers);
+                            self.reject_rest(&mut blocks, ns, n - i, &mut out);
+                            break;
+                        }
+                        *existing = BlockEntry::new(seq, ns, tiers);
+                        for b in [0b01, 0b10] {
+                            if tiers & b != 0
+                                && self.holders.insert(seq.0, entry.slot, b) == Inserted::NewPair
+                            {
+                                self.pairs.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                        out.stored += 1;
+                        out.repaired += 1;
+                    }
+                    // Same engine block again (another tier, or a replayed event): merge tiers.
+                    _ => {
+                        let changed = tiers != existing.tiers();
+                        existing.set_tiers(tiers);
+                        if changed && existing.ns() != UNKNOWN_NS {
+                            // Counted when new: another engine hash with the same prefix may
+                            // have taken the pair away, and `remove` will count it down.
+                            if self.holders.insert(existing.seq().0, entry.slot, bit)
+                                == Inserted::NewPair
+                            {
+                                self.pairs.fetch_add(1, Ordering::Relaxed);
+                            }
+                            out.stored += 1;
+                        }
+                        blocks.release_namespace(ns);
+                    }
                 }
-                blocks.release_namespace(ns);
                 continue;
             }
             match seq {
                 Some(seq) => {
-                    if self.pairs.load(Ordering::Relaxed) >= self.limits.capacity {
-                        blocks.release_namespace(ns);
-                        out.rejected += 1;
-                        // The rest of this chain cannot be placed either.
-                        for _ in i + 1..n {
-                            blocks.release_namespace(ns);
-                        }
-                        out.rejected += n - i - 1;
+                    if at_capacity() {
+                        self.reject_rest(&mut blocks, ns, n - i, &mut out);
                         break;
                     }
                     if self.holders.insert(seq.0, entry.slot, bit) == Inserted::NewPair {
@@ -432,7 +478,17 @@ impl KvIndex {
             .fetch_add(out.unknown_namespace as u64, Ordering::Relaxed);
         c.rejected_capacity
             .fetch_add(out.rejected as u64, Ordering::Relaxed);
+        c.repaired.fetch_add(out.repaired as u64, Ordering::Relaxed);
         Ok(out)
+    }
+
+    /// At capacity: the current block and the rest of its chain (`left` blocks in all) cannot be
+    /// placed; their namespace references, acquired up front, are released.
+    fn reject_rest(&self, blocks: &mut WorkerBlocks, ns: u32, left: usize, out: &mut StoreOutcome) {
+        for _ in 0..left {
+            blocks.release_namespace(ns);
+        }
+        out.rejected += left;
     }
 
     /// Applies one removed-blocks event of `worker`: the blocks leave `medium`, and are dropped

@@ -588,6 +588,10 @@ fn run_ops(ops: Vec<Op>) -> Result<(), TestCaseError> {
                         device: false,
                         offload: false,
                     });
+                    // An orphan covered again by an event with a trusted namespace is repaired.
+                    if e.seed.is_none() {
+                        e.seed = seed;
+                    }
                     if offload {
                         e.offload = true;
                     } else {
@@ -690,5 +694,426 @@ proptest! {
     #[test]
     fn index_matches_naive_model(ops in prop::collection::vec(op(), 1..60)) {
         run_ops(ops)?;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Orphans repaired by re-announcement (issue #13 item 5).
+
+/// Stores a run whose root namespace may be untrusted (`None`).
+fn store_ns(
+    idx: &KvIndex,
+    parent: Option<u64>,
+    root_seed: Option<HashSeed>,
+    hashes: &[u64],
+    tokens: &[u32],
+    medium: Medium,
+) -> StoreOutcome {
+    let hashes: Vec<_> = hashes.iter().map(|&h| EngineBlockHash(h)).collect();
+    idx.store(
+        &w(1),
+        &StoreBlocks {
+            parent: parent.map(EngineBlockHash),
+            root_seed,
+            engine_hashes: &hashes,
+            tokens,
+            medium,
+        },
+    )
+    .unwrap()
+}
+
+fn one_worker() -> KvIndex {
+    let idx = KvIndex::new(BS, IndexLimits::default());
+    idx.add_worker(w(1));
+    idx
+}
+
+/// Leading blocks of `tokens` credited to worker 1 under `seed`: (device, any tier).
+fn credit(idx: &KvIndex, tokens: &[u32], seed: HashSeed) -> (u32, u32) {
+    idx.query(&seqs(tokens, seed))
+        .iter()
+        .find(|o| o.worker == w(1))
+        .map_or((0, 0), |o| (o.device_blocks, o.total_blocks))
+}
+
+#[test]
+fn orphans_are_credited_once_their_chain_is_reannounced_with_a_trusted_root() {
+    let idx = one_worker();
+    let t: Vec<u32> = (0..12).collect();
+    let a = HashSeed::new(None, Some("a"));
+    // Orphans: a continuation whose parent was never seen, and a root with an untrusted salt.
+    let out = store_ns(&idx, Some(1), Some(a), &[2, 3], &t[4..], Medium::Device);
+    assert_eq!(out.unknown_namespace, 2);
+    store_ns(&idx, None, None, &[1], &t[..4], Medium::Device);
+    assert_eq!(credit(&idx, &t, a), (0, 0));
+    assert_eq!(idx.pairs(), 0);
+    // The engine re-announces the chain from block 0 with a salt kv-epp can decode.
+    let out = store_ns(&idx, None, Some(a), &[1, 2, 3], &t, Medium::Device);
+    assert_eq!((out.stored, out.repaired, out.unknown_namespace), (3, 3, 0));
+    assert_eq!(idx.counters().repaired.load(Ordering::Relaxed), 3);
+    assert_eq!(credit(&idx, &t, a), (3, 3));
+    for other in [HashSeed::UNSALTED, HashSeed::new(None, Some("b"))] {
+        assert_eq!(credit(&idx, &t, other), (0, 0));
+    }
+    assert_eq!((idx.pairs(), idx.worker_blocks(&w(1)).unwrap()), (3, 3));
+    // Replaying the same announcement changes nothing.
+    let out = store_ns(&idx, None, Some(a), &[1, 2, 3], &t, Medium::Device);
+    assert_eq!((out.stored, out.repaired), (0, 0));
+    assert_eq!(idx.pairs(), 3);
+}
+
+#[test]
+fn a_reannouncement_in_pieces_repairs_through_its_continuations() {
+    let idx = one_worker();
+    let t: Vec<u32> = (0..12).collect();
+    let a = HashSeed::new(None, Some("a"));
+    store_ns(&idx, None, None, &[1, 2, 3], &t, Medium::Device);
+    // A trusted root for block 0 only: the orphans it does not cover stay unknown (the index
+    // keeps no tokens to re-hash them)...
+    store_ns(&idx, None, Some(a), &[1], &t[..4], Medium::Device);
+    assert_eq!(credit(&idx, &t, a), (1, 1));
+    assert_eq!(
+        idx.parent_state(&w(1), EngineBlockHash(2)).unwrap(),
+        ParentState::UnknownNamespace
+    );
+    // ...until a continuation from the now trusted parent covers them.
+    let out = store_ns(&idx, Some(1), None, &[2, 3], &t[4..], Medium::Device);
+    assert_eq!(out.repaired, 2);
+    assert_eq!(credit(&idx, &t, a), (3, 3));
+    // A continuation of an orphan parent repairs nothing.
+    let idx = one_worker();
+    store_ns(&idx, Some(7), None, &[2], &t[4..8], Medium::Device);
+    store_ns(&idx, Some(2), None, &[3], &t[8..], Medium::Device);
+    let out = store_ns(&idx, Some(2), None, &[3], &t[8..], Medium::Offload);
+    assert_eq!((out.repaired, idx.pairs()), (0, 0));
+}
+
+#[test]
+fn a_trusted_block_never_moves_to_another_tenant() {
+    let idx = one_worker();
+    let t: Vec<u32> = (0..12).collect();
+    let (a, b) = (
+        HashSeed::new(None, Some("a")),
+        HashSeed::new(None, Some("b")),
+    );
+    store_ns(&idx, None, Some(a), &[1, 2], &t[..8], Medium::Device);
+    store_ns(&idx, Some(9), None, &[3], &t[8..], Medium::Device);
+    // Tenant B's announcement of the same engine hashes (a buggy or hostile engine): blocks 1
+    // and 2 stay A's; the orphan 3 is re-keyed under B (the event announces its chain under B)
+    // but B is never credited for it, because B holds no leading block on this worker.
+    let out = store_ns(&idx, None, Some(b), &[1, 2, 3], &t, Medium::Offload);
+    assert_eq!(out.repaired, 1);
+    assert_eq!(credit(&idx, &t, a), (2, 2));
+    assert_eq!(credit(&idx, &t, b), (0, 0));
+    // A's re-announcement cannot take block 3 back from B either: it is no longer unknown.
+    let out = store_ns(&idx, None, Some(a), &[1, 2, 3], &t, Medium::Device);
+    assert_eq!(out.repaired, 0);
+    assert_eq!(credit(&idx, &t, a), (2, 2));
+    assert_eq!(credit(&idx, &t, b), (0, 0));
+    // Continuations inherit what each block holds: A's chain grows under A only.
+    store_ns(&idx, Some(2), Some(b), &[4], &[99; BS], Medium::Device);
+    let mut longer = t[..8].to_vec();
+    longer.extend([99; BS]);
+    assert_eq!(credit(&idx, &longer, a), (3, 3));
+    assert_eq!(credit(&idx, &longer, b), (0, 0));
+}
+
+#[test]
+fn repaired_blocks_are_removed_cleanly() {
+    let idx = one_worker();
+    let t: Vec<u32> = (0..8).collect();
+    let a = HashSeed::new(None, Some("a"));
+    // Orphans in the offload tier, re-announced in device memory: both tiers are credited.
+    store_ns(&idx, Some(5), None, &[1, 2], &t, Medium::Offload);
+    store_ns(&idx, None, Some(a), &[1, 2], &t, Medium::Device);
+    assert_eq!(credit(&idx, &t, a), (2, 2));
+    assert_eq!(idx.pairs(), 2);
+    idx.remove(&w(1), &[EngineBlockHash(1)], Medium::Device)
+        .unwrap();
+    assert_eq!(credit(&idx, &t, a), (0, 2));
+    idx.remove(
+        &w(1),
+        &[EngineBlockHash(1), EngineBlockHash(2)],
+        Medium::Offload,
+    )
+    .unwrap();
+    assert_eq!(credit(&idx, &t, a), (0, 0));
+    assert_eq!(idx.pairs(), 1, "block 2 still held in device memory");
+    idx.remove(&w(1), &[EngineBlockHash(2)], Medium::Device)
+        .unwrap();
+    assert_eq!((idx.pairs(), idx.worker_blocks(&w(1)).unwrap()), (0, 0));
+    // The namespace's references were released exactly: its id is free for another seed, and a
+    // new tenant stored now is credited to itself only.
+    let b = HashSeed::new(None, Some("b"));
+    store_ns(&idx, None, Some(b), &[1, 2], &t, Medium::Device);
+    assert_eq!(idx.export_worker(&w(1)).unwrap().seeds, vec![b]);
+    assert_eq!(credit(&idx, &t, b), (2, 2));
+    assert_eq!(credit(&idx, &t, a), (0, 0));
+}
+
+#[test]
+fn a_repair_beyond_capacity_is_rejected_and_stays_unknown() {
+    let idx = KvIndex::new(
+        BS,
+        IndexLimits {
+            capacity: 1,
+            ..IndexLimits::default()
+        },
+    );
+    idx.add_worker(w(1));
+    let t: Vec<u32> = (0..8).collect();
+    let a = HashSeed::new(None, Some("a"));
+    store_ns(&idx, None, None, &[1, 2], &t, Medium::Device);
+    let out = store_ns(&idx, None, Some(a), &[1, 2], &t, Medium::Device);
+    assert_eq!((out.repaired, out.rejected), (1, 1));
+    assert_eq!(credit(&idx, &t, a), (1, 1));
+    assert_eq!((idx.pairs(), idx.worker_blocks(&w(1)).unwrap()), (1, 2));
+    idx.remove(
+        &w(1),
+        &[EngineBlockHash(1), EngineBlockHash(2)],
+        Medium::Device,
+    )
+    .unwrap();
+    assert_eq!((idx.pairs(), idx.worker_blocks(&w(1)).unwrap()), (0, 0));
+}
+
+/// One operation on a worker that holds blocks of a few fixed chains.
+#[derive(Clone, Debug)]
+enum ChainOp {
+    /// A run of chain `chain` from block `start`: a sequence start (root salt `root`, `None` =
+    /// untrusted) when `start` is 0, else a continuation of block `start - 1` (which may be
+    /// missing or an orphan).
+    Announce {
+        chain: usize,
+        start: usize,
+        len: usize,
+        root: Option<u8>,
+        offload: bool,
+    },
+    /// The whole chain from block 0 under `salt`, in one event or as a start plus a
+    /// continuation split at `split`.
+    Full {
+        chain: usize,
+        salt: u8,
+        split: usize,
+    },
+    /// Removes the blocks of `chain` whose bit is set in `mask`, from one tier.
+    Remove {
+        chain: usize,
+        mask: u8,
+        offload: bool,
+    },
+    Clear,
+}
+
+const CHAINS: usize = 2;
+const CHAIN_LEN: usize = 4;
+
+fn chain_op() -> impl Strategy<Value = ChainOp> {
+    let chain = 0..CHAINS;
+    let root = prop::option::weighted(0.7, 0u8..3);
+    prop_oneof![
+        6 => (chain.clone(), 0..CHAIN_LEN, 1..=CHAIN_LEN, root, any::<bool>()).prop_map(
+            |(chain, start, len, root, offload)| ChainOp::Announce { chain, start, len, root, offload }
+        ),
+        3 => (chain.clone(), 0u8..3, 1..=CHAIN_LEN)
+            .prop_map(|(chain, salt, split)| ChainOp::Full { chain, salt, split }),
+        3 => (chain, any::<u8>(), any::<bool>())
+            .prop_map(|(chain, mask, offload)| ChainOp::Remove { chain, mask, offload }),
+        1 => Just(ChainOp::Clear),
+    ]
+}
+
+/// Tokens of a whole chain; chains differ from their first block on, so no prefix is shared.
+fn chain_tokens(chain: usize) -> Vec<u32> {
+    (0..CHAIN_LEN * BS)
+        .map(|i| (chain * 1000 + i) as u32)
+        .collect()
+}
+
+/// The engine hash of a chain's block: the same whatever the salt (as a hostile engine, or one
+/// whose hashes ignore the salt, would send).
+fn chain_hash(chain: usize, block: usize) -> u64 {
+    (chain as u64 + 1) * 100 + block as u64
+}
+
+/// The model: per (chain, block) present on the worker, its namespace (`None`: unknown) and
+/// tiers.
+type ChainModel = HashMap<(usize, usize), (Option<u8>, u8)>;
+
+/// Leading blocks of `chain` the model credits under `salt`: (device, any tier).
+fn model_credit(model: &ChainModel, chain: usize, salt: u8) -> (u32, u32) {
+    let run = |tiers: u8| {
+        (0..CHAIN_LEN)
+            .take_while(|&i| {
+                model
+                    .get(&(chain, i))
+                    .is_some_and(|&(ns, t)| ns == Some(salt) && t & tiers != 0)
+            })
+            .count() as u32
+    };
+    (run(0b01), run(0b11))
+}
+
+/// Applies one announced run to the index, to the model (the index's rule: a block keeps a
+/// trusted namespace once it has one; an unknown one takes the event's trusted namespace), and
+/// to `lineage` (independent of that rule: the blocks whose chain from the root was announced
+/// under each salt, ever).
+fn announce(
+    idx: &KvIndex,
+    model: &mut ChainModel,
+    lineage: &mut [[[bool; CHAIN_LEN]; CHAINS]; 3],
+    (chain, start, len): (usize, usize, usize),
+    root: Option<u8>,
+    medium: Medium,
+) {
+    let end = (start + len).min(CHAIN_LEN);
+    let tokens = chain_tokens(chain);
+    let hashes: Vec<u64> = (start..end).map(|i| chain_hash(chain, i)).collect();
+    let parent = (start > 0).then(|| chain_hash(chain, start - 1));
+    store_ns(
+        idx,
+        parent,
+        root.map(tenant_seed),
+        &hashes,
+        &tokens[start * BS..end * BS],
+        medium,
+    );
+    let ns = if start == 0 {
+        root
+    } else {
+        model.get(&(chain, start - 1)).and_then(|&(ns, _)| ns)
+    };
+    let bit = match medium {
+        Medium::Device => 0b01,
+        Medium::Offload => 0b10,
+    };
+    for i in start..end {
+        let e = model.entry((chain, i)).or_insert((ns, 0));
+        if e.0.is_none() {
+            e.0 = ns;
+        }
+        e.1 |= bit;
+    }
+    for (salt, lin) in lineage.iter_mut().enumerate() {
+        let under = if start == 0 {
+            root == Some(salt as u8)
+        } else {
+            lin[chain][start - 1]
+        };
+        if under {
+            for l in &mut lin[chain][start..end] {
+                *l = true;
+            }
+        }
+    }
+}
+
+fn run_chain_ops(ops: Vec<ChainOp>) -> Result<(), TestCaseError> {
+    let idx = one_worker();
+    let mut model = ChainModel::new();
+    let mut lineage = [[[false; CHAIN_LEN]; CHAINS]; 3];
+    for op in ops {
+        match op {
+            ChainOp::Announce {
+                chain,
+                start,
+                len,
+                root,
+                offload,
+            } => {
+                let medium = if offload {
+                    Medium::Offload
+                } else {
+                    Medium::Device
+                };
+                announce(
+                    &idx,
+                    &mut model,
+                    &mut lineage,
+                    (chain, start, len),
+                    root,
+                    medium,
+                );
+            }
+            ChainOp::Full { chain, salt, split } => {
+                let unclaimed = (0..CHAIN_LEN).all(|i| {
+                    model
+                        .get(&(chain, i))
+                        .is_none_or(|&(ns, _)| ns.is_none() || ns == Some(salt))
+                });
+                let (m, l) = (&mut model, &mut lineage);
+                announce(&idx, m, l, (chain, 0, split), Some(salt), Medium::Device);
+                if split < CHAIN_LEN {
+                    let rest = (chain, split, CHAIN_LEN - split);
+                    announce(&idx, m, l, rest, None, Medium::Device);
+                }
+                if unclaimed {
+                    // Nobody else held any of it: the whole chain is now the salt's.
+                    let full = CHAIN_LEN as u32;
+                    let tokens = chain_tokens(chain);
+                    prop_assert_eq!(credit(&idx, &tokens, tenant_seed(salt)), (full, full));
+                }
+            }
+            ChainOp::Remove {
+                chain,
+                mask,
+                offload,
+            } => {
+                let bit = if offload { 0b10 } else { 0b01 };
+                let mut hashes = vec![];
+                for i in (0..CHAIN_LEN).filter(|i| mask & (1 << i) != 0) {
+                    hashes.push(EngineBlockHash(chain_hash(chain, i)));
+                    if let Some(e) = model.get_mut(&(chain, i)) {
+                        e.1 &= !bit;
+                        if e.1 == 0 {
+                            model.remove(&(chain, i));
+                        }
+                    }
+                }
+                let medium = if offload {
+                    Medium::Offload
+                } else {
+                    Medium::Device
+                };
+                idx.remove(&w(1), &hashes, medium).unwrap();
+            }
+            ChainOp::Clear => {
+                model.clear();
+                idx.clear_worker(&w(1)).unwrap();
+            }
+        }
+        for (salt, chains) in (0u8..).zip(&lineage) {
+            for (chain, announced) in chains.iter().enumerate() {
+                let got = credit(&idx, &chain_tokens(chain), tenant_seed(salt));
+                prop_assert_eq!(got, model_credit(&model, chain, salt));
+                // Safety, whatever the rule: nothing is credited under a salt unless its whole
+                // chain from the root was announced under that salt.
+                let announced = announced.iter().take_while(|&&a| a).count() as u32;
+                prop_assert!(got.1 <= announced, "{got:?} > {announced}");
+            }
+        }
+        // The holder table holds exactly the trusted blocks (each prefix once); unknown ones
+        // are kept only in the worker's map.
+        let trusted = model.values().filter(|(ns, _)| ns.is_some()).count();
+        prop_assert_eq!(idx.pairs(), trusted);
+        prop_assert_eq!(idx.worker_blocks(&w(1)).unwrap(), model.len());
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 400,
+        rng_seed: proptest::test_runner::RngSeed::Fixed(0x6f72_7068),
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
+    /// Random orders of orphan continuations, untrusted roots, (partial and full)
+    /// re-announcements under several salts, and removals.
+    #[test]
+    fn orphans_are_repaired_under_their_own_salt_only(ops in prop::collection::vec(chain_op(), 1..40)) {
+        run_chain_ops(ops)?;
     }
 }

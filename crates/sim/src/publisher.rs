@@ -1,7 +1,8 @@
 //! The simulated engine's KV event publisher over real ZeroMQ (ZMTP 3, interoperable with libzmq
 //! and pyzmq): a PUB socket sending `[topic, seq, payload]` per batch, and an optional ROUTER
-//! replay socket answering `[b"", start_seq]` with every buffered batch from `start_seq` on and
-//! the end marker.
+//! replay socket answering `[b"", start_seq]` exactly as vLLM 0.33 does: `[b"", topic, seq,
+//! payload]` for every buffered batch from `start_seq` on, then the end marker
+//! `[b"", b"", u64::MAX, b""]`.
 //!
 //! Fault knobs: `drop_fraction` skips the PUB send of that share of batches (chosen by a seeded
 //! RNG); a dropped batch still takes its sequence number and stays in the replay buffer, so a
@@ -80,7 +81,7 @@ pub async fn start(
                 .await
                 .map_err(|e| format!("binding --replay-endpoint {ep}: {e}"))?
                 .to_string();
-            tokio::spawn(serve_replay(router, buffer.clone()));
+            tokio::spawn(serve_replay(router, buffer.clone(), config.topic.clone()));
             Some(bound)
         }
     };
@@ -140,7 +141,7 @@ fn now_ts() -> f64 {
         .unwrap_or(0.0)
 }
 
-async fn serve_replay(mut router: RouterSocket, buffer: Arc<Mutex<ReplayBuffer>>) {
+async fn serve_replay(mut router: RouterSocket, buffer: Arc<Mutex<ReplayBuffer>>, topic: String) {
     loop {
         let msg = match router.recv().await {
             Ok(m) => m,
@@ -158,10 +159,10 @@ async fn serve_replay(mut router: RouterSocket, buffer: Arc<Mutex<ReplayBuffer>>
             );
             continue;
         };
-        let answer = buffer.lock().answer(start);
-        for [empty, seq, payload] in answer {
+        let answer = buffer.lock().answer(start, &topic);
+        for frames in answer {
             let mut reply = envelope.to_vec();
-            reply.extend([empty, seq, payload]);
+            reply.extend(frames);
             let Ok(reply) = ZmqMessage::try_from(reply) else {
                 continue;
             };

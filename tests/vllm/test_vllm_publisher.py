@@ -290,14 +290,19 @@ A2 = list(range(108, 116))
 B = list(range(200, 208))
 
 
+def credit_first_prompt(e, k):
+    """Waits until kv-epp is subscribed and credits tenant-a's prompt, publishing it until one
+    lands: the PUB drops what it sends before the subscription does."""
+    eventually(lambda: k.feed()["connected"], "kv-epp subscribed")
+    eventually(lambda: k.overlap("tenant-a", A) == 8, "tenant-a's prompt credited",
+               tick=lambda: e.store([1, 2], None, A, salt="tenant-a"))
+
+
 def test_a_missed_batch_is_replayed_from_vllms_buffer(setup):
     engine, kv_epp, relay = setup
     e = engine()
     k = kv_epp()
-    eventually(lambda: k.feed()["connected"], "kv-epp subscribed")
-    # Published until kv-epp sees one: the PUB drops what it sends before the subscription lands.
-    eventually(lambda: k.overlap("tenant-a", A) == 8, "tenant-a's prompt credited",
-               tick=lambda: e.store([1, 2], None, A, salt="tenant-a"))
+    credit_first_prompt(e, k)
     e.store([1, 2], None, A, salt="tenant-a")
     eventually(lambda: k.overlap("tenant-a", A) == 8, "tenant-a's prompt credited")
     relay.cut()
@@ -340,9 +345,7 @@ def test_an_engine_restart_drops_the_old_state_and_credits_the_new(setup):
     engine, kv_epp, relay = setup
     e = engine()
     k = kv_epp()
-    eventually(lambda: k.feed()["connected"], "kv-epp subscribed")
-    eventually(lambda: k.overlap("tenant-a", A) == 8, "tenant-a's prompt credited",
-               tick=lambda: e.store([1, 2], None, A, salt="tenant-a"))
+    credit_first_prompt(e, k)
     for _ in range(20):  # a busy engine: the old sequence is well past where the new one starts
         e.filler()
     eventually(lambda: k.feed()["last_sequence"] >= 20, "the old engine's batches applied")
@@ -360,9 +363,7 @@ def test_an_unfillable_gap_leaves_the_worker_cold_until_fresh_events(setup):
     engine, kv_epp, relay = setup
     e = engine(buffer_steps=2)
     k = kv_epp()
-    eventually(lambda: k.feed()["connected"], "kv-epp subscribed")
-    eventually(lambda: k.overlap("tenant-a", A) == 8, "tenant-a's prompt credited",
-               tick=lambda: e.store([1, 2], None, A, salt="tenant-a"))
+    credit_first_prompt(e, k)
     relay.cut()
     e.store([5, 6], None, B, salt="tenant-b")  # missed, and soon gone from vLLM's buffer
     for _ in range(4):

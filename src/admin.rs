@@ -504,8 +504,13 @@ impl FeedStates {
                 "replayed": st.replayed.load(Relaxed),
                 "unfillable_gaps": st.unfillable.load(Relaxed),
                 "restarts": st.restarts.load(Relaxed),
-                "bad_payloads": st.bad_payloads.load(Relaxed),
                 "last_event_ms": st.last_event_ms.load(Relaxed),
+                "failing": {
+                    "connection": st.connection.reason(),
+                    "replay": st.replay.reason(),
+                    "decoding": st.decoding.reason(),
+                },
+                "counts": feed_counts(st),
             })
         });
         feed.or_else(|| {
@@ -519,6 +524,26 @@ impl FeedStates {
             }))
         })
     }
+}
+
+/// A feed's counters as nested objects: `{family: value}` or `{family: {label: ... value}}`.
+fn feed_counts(st: &FeedStatus) -> Value {
+    let mut out = serde_json::Map::new();
+    for (family, labels, n) in st.counts() {
+        let mut slot = out.entry(family).or_insert(Value::Null);
+        for (_, label) in &labels {
+            if !slot.is_object() {
+                *slot = json!({});
+            }
+            slot = slot
+                .as_object_mut()
+                .expect("made an object above")
+                .entry(*label)
+                .or_insert(Value::Null);
+        }
+        *slot = json!(n);
+    }
+    Value::Object(out)
 }
 
 async fn workers(State(s): State<AdminState>) -> Response {

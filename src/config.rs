@@ -75,15 +75,40 @@ impl Default for EngineMetricsConfig {
 }
 
 /// KV event sources.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct EventsConfig {
     /// The protocol.
     pub engine: EventEngine,
+    /// Largest event message (all its frames) accepted from an engine's publisher or replay
+    /// socket; a longer one is refused before anything is allocated for it, and the connection
+    /// is dropped, counted and retried.
+    pub max_message_bytes: usize,
     /// vLLM ZeroMQ ports.
     pub zmq: ZmqConfig,
     /// TensorRT-LLM polling.
     pub trtllm: TrtllmConfig,
+}
+
+impl Default for EventsConfig {
+    fn default() -> Self {
+        EventsConfig {
+            engine: EventEngine::default(),
+            max_message_bytes: crate::events::zmtp::Limits::default().max_message_bytes,
+            zmq: ZmqConfig::default(),
+            trtllm: TrtllmConfig::default(),
+        }
+    }
+}
+
+impl EventsConfig {
+    /// What one engine event connection may cost.
+    pub fn limits(&self) -> crate::events::zmtp::Limits {
+        crate::events::zmtp::Limits {
+            max_message_bytes: self.max_message_bytes,
+            ..Default::default()
+        }
+    }
 }
 
 /// TensorRT-LLM event polling.
@@ -587,6 +612,9 @@ impl Config {
         }
         if s.cert_path.is_some() && !s.secure_serving {
             return bad("server.cert_path is set but server.secure_serving is false".into());
+        }
+        if self.events.max_message_bytes < 64 << 10 {
+            return bad("events.max_message_bytes must be at least 65536".into());
         }
         if self.events.trtllm.poll_interval_ms == 0 {
             return bad("events.trtllm.poll_interval_ms must be > 0".into());

@@ -180,6 +180,14 @@ impl Metrics {
         }
     }
 
+    /// A registry that also exports every event feed's counters (per worker) on each scrape.
+    pub fn with_event_feeds(feeds: std::sync::Arc<crate::events::Feeds>) -> Self {
+        let mut m = Self::new();
+        m.registry
+            .register_collector(Box::new(FeedCollector(feeds)));
+        m
+    }
+
     /// Label set helper.
     pub fn labels(pairs: &[(&str, &str)]) -> Labels {
         pairs
@@ -201,5 +209,82 @@ impl Metrics {
         // Writing into a String cannot fail.
         let _ = encode(&mut out, &self.registry);
         out
+    }
+}
+
+/// Exports each event feed's counters at scrape time, so a feed that stops takes its series
+/// with it.
+struct FeedCollector(std::sync::Arc<crate::events::Feeds>);
+
+impl std::fmt::Debug for FeedCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FeedCollector")
+    }
+}
+
+impl prometheus_client::collector::Collector for FeedCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        use std::sync::atomic::Ordering::Relaxed;
+        let counters: [(&str, &str); 5] = [
+            ("batches", "KV event batches applied, by worker"),
+            (
+                "events",
+                "KV events of applied batches, by worker and outcome (applied; foreign_namespace: stored, never credited)",
+            ),
+            (
+                "dropped",
+                "KV event messages and events dropped, by worker and reason",
+            ),
+            (
+                "sequence",
+                "KV event sequence incidents, by worker and kind (gap, replayed, unfillable, restart)",
+            ),
+            (
+                "connection_errors",
+                "KV event connections that failed or ended, by worker, socket (events, replay) and reason (oversize: a message over events.max_message_bytes was refused)",
+            ),
+        ];
+        let families: Vec<Family<Labels, Counter>> =
+            counters.iter().map(|_| Family::default()).collect();
+        let connected = Family::<Labels, Gauge>::default();
+        let cold = Family::<Labels, Gauge>::default();
+        for (worker, _, st) in self.0.statuses() {
+            let worker = worker.to_string();
+            for (family, labels, n) in st.counts() {
+                let Some(i) = counters.iter().position(|(name, _)| *name == family) else {
+                    continue;
+                };
+                let mut set = Metrics::labels(&labels);
+                set.insert(0, ("worker".into(), worker.clone()));
+                families[i].get_or_create(&set).inc_by(n);
+            }
+            let set = Metrics::labels(&[("worker", &worker)]);
+            connected
+                .get_or_create(&set)
+                .set(i64::from(st.connected.load(Relaxed)));
+            cold.get_or_create(&set)
+                .set(i64::from(st.cold.load(Relaxed)));
+        }
+        for ((name, help), family) in counters.iter().zip(&families) {
+            let name = format!("event_{name}");
+            family.encode(encoder.encode_descriptor(&name, help, None, family.metric_type())?)?;
+        }
+        connected.encode(encoder.encode_descriptor(
+            "event_feed_connected",
+            "1 while the worker's KV event publisher is connected",
+            None,
+            connected.metric_type(),
+        )?)?;
+        cold.encode(encoder.encode_descriptor(
+            "event_feed_cold",
+            "1 while the worker's KV state was dropped and no fresh event has arrived",
+            None,
+            cold.metric_type(),
+        )?)?;
+        Ok(())
     }
 }

@@ -121,7 +121,8 @@ impl Server {
     /// Binds every listener and starts serving. Ports of 0 bind ephemeral ports.
     pub async fn start(config: &Config) -> Result<Server, ServeError> {
         let readiness = Readiness::default();
-        let metrics = Arc::new(Metrics::new());
+        let feeds = Arc::new(Feeds::new(config.events.limits()));
+        let metrics = Arc::new(Metrics::with_event_feeds(feeds.clone()));
         let picker = Arc::new(
             config
                 .picker(metrics.clone())
@@ -137,7 +138,6 @@ impl Server {
         let metrics_l = bind("metrics", SocketAddr::new(ip, config.server.metrics_port)).await?;
         let admin_l = bind("admin", SocketAddr::new(ip, config.server.admin_port)).await?;
         let admin_addr = local(&admin_l);
-        let feeds = Arc::new(Feeds::default());
         let replica = match &config.peers.enabled() {
             true => {
                 let token = match &config.peers.token_file {

@@ -86,14 +86,6 @@ impl Rig {
     }
 }
 
-fn metric(text: &str, prefix: &str) -> f64 {
-    text.lines()
-        .find(|l| l.starts_with(prefix))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0)
-}
-
 #[test]
 fn shipped_envoy_configs_validate() {
     let Some(bin) = envoy_binary() else { return };

@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{eventually, free_port, http, post_json, wait_worker_blocks};
+use common::{eventually, free_port, http, metric, post_json, wait_worker_blocks};
 use kv_epp::config::Config;
 use kv_epp::server::Server;
 use kv_epp_core::namespace::Namespace;
@@ -573,11 +573,49 @@ async fn malformed_frames_leave_the_subscriber_running_and_the_index_unchanged()
         0,
         "no malformed block was indexed"
     );
-    let c = server.feeds.counters();
-    use std::sync::atomic::Ordering::Relaxed;
-    assert!(c.block_size_mismatch.load(Relaxed) >= 200);
-    assert!(c.malformed.load(Relaxed) >= 500);
-    let _ = SocketAddr::from(([127, 0, 0, 1], 0));
+    // Every reason is visible per worker, on /metrics and in /workers alike.
+    let text = http(server.metrics_addr, "GET", "/metrics", &[], b"")
+        .await
+        .unwrap()
+        .text();
+    let w = worker.to_string();
+    let dropped = |reason: &str| {
+        metric(
+            &text,
+            &format!("kv_epp_event_dropped_total{{worker=\"{w}\",reason=\"{reason}\"}}"),
+        )
+    };
+    assert!(dropped("block_size_mismatch") >= 200.0, "{text}");
+    assert!(
+        dropped("malformed_event") >= 500.0,
+        "malformed events inside good batches: {text}"
+    );
+    assert!(dropped("malformed_frame") >= 800.0, "{text}");
+    let applied = metric(
+        &text,
+        &format!("kv_epp_event_events_total{{worker=\"{w}\",outcome=\"applied\"}}"),
+    );
+    assert!(applied >= 2.0, "{text}");
+    let workers = http(server.admin_addr, "GET", "/workers", &[], b"")
+        .await
+        .unwrap();
+    let workers: serde_json::Value = serde_json::from_slice(&workers.body).unwrap();
+    let counts = &workers["workers"][0]["events"]["counts"];
+    assert_eq!(
+        counts["dropped"]["block_size_mismatch"].as_f64(),
+        Some(dropped("block_size_mismatch")),
+        "{counts}"
+    );
+    assert_eq!(
+        counts["dropped"]["malformed_event"].as_f64(),
+        Some(dropped("malformed_event")),
+        "{counts}"
+    );
+    assert_eq!(
+        workers["workers"][0]["events"]["failing"]["decoding"],
+        serde_json::Value::Null,
+        "the last batch was clean"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

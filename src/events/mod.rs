@@ -12,6 +12,7 @@
 pub mod subscriber;
 pub mod trtllm;
 pub mod vllm;
+pub mod zmtp;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -80,10 +81,20 @@ pub struct Feeds {
     /// Single-reader sources are polled by their owner replica, which starts them itself.
     owned_elsewhere: std::sync::atomic::AtomicBool,
     counters: Arc<EventCounters>,
+    /// What one connection to an engine's event sockets may cost.
+    limits: zmtp::Limits,
 }
 
 impl Feeds {
-    /// Event counters shared by every feed.
+    /// No feeds yet; each connection to an engine will be held to `limits`.
+    pub fn new(limits: zmtp::Limits) -> Self {
+        let mut feeds = Feeds::default();
+        feeds.limits = limits;
+        feeds
+    }
+
+    /// Event counters of the TensorRT-LLM sources (each ZeroMQ feed counts in its own
+    /// [`FeedStatus`]).
     pub fn counters(&self) -> &Arc<EventCounters> {
         &self.counters
     }
@@ -127,7 +138,7 @@ impl Feeds {
             worker,
             index,
             endpoints,
-            counters: self.counters.clone(),
+            limits: self.limits,
             status,
             apply_lock: Mutex::new(()),
         });

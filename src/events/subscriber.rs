@@ -24,9 +24,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqError, ZmqMessage};
 
 use super::vllm::{Neutral, decode_batch};
+use super::zmtp::{self, Limits, SocketType, ZmtpError};
 use kv_epp_core::engine_event::{self, ApplyError, EventCounters};
 use kv_epp_core::index::KvIndex;
 use kv_epp_core::worker::WorkerId;
@@ -35,9 +35,11 @@ use kv_epp_core::worker::WorkerId;
 const REPLAY_END: u64 = u64::MAX;
 /// How long to wait for one replay message before giving up on the replay.
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long to wait for the replay socket to accept a connection (the worker's other events
-/// wait meanwhile, so keep it short).
+/// How long to wait for the replay socket to accept a connection and handshake (the worker's
+/// other events wait meanwhile, so keep it short).
 const REPLAY_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// First and longest wait before reconnecting a feed.
+const BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(5));
 
 /// Where a worker publishes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -50,7 +52,99 @@ pub struct FeedEndpoints {
     pub topic: String,
 }
 
-/// Live status of one feed, for `/workers` and metrics.
+/// The two sockets of a feed, as counter labels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FeedSocket {
+    /// The engine's publisher (SUB).
+    Events = 0,
+    /// The engine's replay ROUTER (DEALER).
+    Replay = 1,
+}
+
+impl FeedSocket {
+    /// Both, in label order.
+    pub const ALL: [FeedSocket; 2] = [FeedSocket::Events, FeedSocket::Replay];
+
+    /// The label.
+    pub fn label(self) -> &'static str {
+        match self {
+            FeedSocket::Events => "events",
+            FeedSocket::Replay => "replay",
+        }
+    }
+}
+
+/// Why a message or an event was dropped without reaching the index, as counter labels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dropped {
+    /// A message that is not `[topic, seq (8 bytes), payload]` or whose payload is not a batch.
+    MalformedFrame = 0,
+    /// A batch published for another data-parallel rank.
+    WrongRank = 1,
+    /// A batch over the events-per-batch cap.
+    OversizeBatch = 2,
+    /// An event that could not be decoded (a field of the wrong shape, over a cap) or written.
+    MalformedEvent = 3,
+    /// An event whose block size is not the model's.
+    BlockSizeMismatch = 4,
+    /// An event of a KV-cache group other than 0 (hybrid models: not indexed).
+    OtherGroup = 5,
+    /// An event type kv-epp does not know.
+    UnknownType = 6,
+}
+
+impl Dropped {
+    /// Every reason, in label order.
+    pub const ALL: [Dropped; 7] = [
+        Dropped::MalformedFrame,
+        Dropped::WrongRank,
+        Dropped::OversizeBatch,
+        Dropped::MalformedEvent,
+        Dropped::BlockSizeMismatch,
+        Dropped::OtherGroup,
+        Dropped::UnknownType,
+    ];
+
+    /// The label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Dropped::MalformedFrame => "malformed_frame",
+            Dropped::WrongRank => "wrong_rank",
+            Dropped::OversizeBatch => "oversize_batch",
+            Dropped::MalformedEvent => "malformed_event",
+            Dropped::BlockSizeMismatch => "block_size_mismatch",
+            Dropped::OtherGroup => "other_group",
+            Dropped::UnknownType => "unknown_type",
+        }
+    }
+}
+
+/// A failure that is logged when it starts, changes or ends, never once per occurrence (a
+/// broken engine would otherwise flood the log).
+#[derive(Debug, Default)]
+pub struct Failing(parking_lot::Mutex<Option<&'static str>>);
+
+impl Failing {
+    /// Records a failure with `reason`; `true` when that is a change worth a log line.
+    fn fail(&self, reason: &'static str) -> bool {
+        self.0.lock().replace(reason) != Some(reason)
+    }
+
+    /// Records a success; the reason that was failing until now, if any.
+    fn ok(&self) -> Option<&'static str> {
+        self.0.lock().take()
+    }
+
+    /// The reason failing now.
+    pub fn reason(&self) -> Option<&'static str> {
+        *self.0.lock()
+    }
+}
+
+/// One counter of a feed: its family, its labels and its value.
+pub type FeedCount = (&'static str, Vec<(&'static str, &'static str)>, u64);
+
+/// Live status and counters of one feed, for `/workers` and `/metrics`.
 #[derive(Debug, Default)]
 pub struct FeedStatus {
     /// Whether the SUB socket is connected.
@@ -59,8 +153,12 @@ pub struct FeedStatus {
     pub next_seq: AtomicU64,
     /// Batches applied.
     pub batches: AtomicU64,
-    /// Payloads that were not valid batches.
-    pub bad_payloads: AtomicU64,
+    /// What happened to the events of applied batches (applied, malformed, namespaces, ...).
+    pub events: EventCounters,
+    /// Messages and events dropped, by [`Dropped`] reason.
+    pub dropped: [AtomicU64; Dropped::ALL.len()],
+    /// Connections that failed or ended, by [`FeedSocket`] and [`ZmtpError::reason`].
+    pub connection_errors: [[AtomicU64; ZmtpError::REASONS.len()]; 2],
     /// Gaps detected.
     pub gaps: AtomicU64,
     /// Gaps filled by replay.
@@ -73,6 +171,81 @@ pub struct FeedStatus {
     pub cold: AtomicBool,
     /// Engine timestamp (ms) of the last applied batch.
     pub last_event_ms: AtomicU64,
+    /// The event socket's failure, logged once per change.
+    pub connection: Failing,
+    /// The replay socket's failure, logged once per change.
+    pub replay: Failing,
+    /// Decoding failures, logged once per change.
+    pub decoding: Failing,
+}
+
+impl FeedStatus {
+    /// Counts one drop.
+    pub fn drop_count(&self, why: Dropped) -> u64 {
+        self.dropped[why as usize].load(Ordering::Relaxed)
+    }
+
+    /// Connection errors of `socket` with `reason`.
+    pub fn connection_error_count(&self, socket: FeedSocket, reason: &str) -> u64 {
+        ZmtpError::REASONS
+            .iter()
+            .position(|r| *r == reason)
+            .map_or(0, |i| {
+                self.connection_errors[socket as usize][i].load(Ordering::Relaxed)
+            })
+    }
+
+    /// Every counter of the feed as `(family, labels, value)`: the one list both `/workers` and
+    /// `/metrics` show (families: `batches`, `events` by outcome, `dropped` by reason,
+    /// `sequence` by kind, `connection_errors` by socket and reason; zero connection errors are
+    /// left out).
+    pub fn counts(&self) -> Vec<FeedCount> {
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut out = vec![("batches", vec![], get(&self.batches))];
+        for (outcome, n) in [
+            ("applied", &self.events.applied),
+            ("foreign_namespace", &self.events.foreign_namespace),
+        ] {
+            out.push(("events", vec![("outcome", outcome)], get(n)));
+        }
+        for why in Dropped::ALL {
+            out.push((
+                "dropped",
+                vec![("reason", why.label())],
+                self.drop_count(why),
+            ));
+        }
+        for (kind, n) in [
+            ("gap", &self.gaps),
+            ("replayed", &self.replayed),
+            ("unfillable", &self.unfillable),
+            ("restart", &self.restarts),
+        ] {
+            out.push(("sequence", vec![("kind", kind)], get(n)));
+        }
+        for socket in FeedSocket::ALL {
+            for (reason, n) in ZmtpError::REASONS
+                .iter()
+                .zip(&self.connection_errors[socket as usize])
+            {
+                let n = get(n);
+                if n > 0 {
+                    out.push((
+                        "connection_errors",
+                        vec![("socket", socket.label()), ("reason", reason)],
+                        n,
+                    ));
+                }
+            }
+        }
+        out
+    }
+
+    fn count_connection_error(&self, socket: FeedSocket, e: &ZmtpError) {
+        if let Some(i) = ZmtpError::REASONS.iter().position(|r| *r == e.reason()) {
+            self.connection_errors[socket as usize][i].fetch_add(1, Ordering::Relaxed);
+        }
+    }
 }
 
 /// What to do with a message of sequence `seq`, given the next expected one.
@@ -107,21 +280,12 @@ pub(crate) enum ReplayError {
     /// The worker has no replay socket configured.
     #[error("no replay endpoint")]
     NoEndpoint,
-    /// The replay socket did not accept a connection in time.
-    #[error("replay connect timed out")]
-    ConnectTimeout,
-    /// The replay socket refused the connection.
-    #[error("replay connect: {0}")]
-    Connect(ZmqError),
-    /// The request could not be sent.
-    #[error("replay request: {0}")]
-    Request(ZmqError),
+    /// The replay socket could not be reached, or its connection broke.
+    #[error("replay socket: {0}")]
+    Socket(#[from] ZmtpError),
     /// The engine stopped answering mid-replay.
     #[error("replay timed out")]
     Timeout,
-    /// The replay socket broke mid-replay.
-    #[error("replay receive: {0}")]
-    Receive(ZmqError),
     /// A reply that is not `[.., seq (8 bytes BE), payload]`.
     #[error("malformed replay message: {0}")]
     Malformed(#[from] ReplayFrameError),
@@ -141,6 +305,20 @@ pub(crate) enum ReplayError {
         /// The oldest sequence the engine replayed.
         seq: u64,
     },
+}
+
+impl ReplayError {
+    /// The log label of this error.
+    fn reason(&self) -> &'static str {
+        match self {
+            ReplayError::NoEndpoint => "no_endpoint",
+            ReplayError::Socket(e) => e.reason(),
+            ReplayError::Timeout => "timeout",
+            ReplayError::Malformed(_) => "malformed",
+            ReplayError::Short { .. } => "short",
+            ReplayError::Evicted { .. } => "evicted",
+        }
+    }
 }
 
 /// A replay reply whose last two frames are not `[seq (8-byte big-endian), payload]`.
@@ -187,9 +365,9 @@ pub struct Feed {
     pub index: Arc<KvIndex>,
     /// Where it publishes.
     pub endpoints: FeedEndpoints,
-    /// Shared counters of the model's events.
-    pub counters: Arc<EventCounters>,
-    /// This feed's status.
+    /// What one connection to the engine may cost.
+    pub limits: Limits,
+    /// This feed's status and counters.
     pub status: Arc<FeedStatus>,
     /// Held while a batch is applied with its sequence, or while the index state is dropped,
     /// so a snapshot sees the worker's blocks and the sequence they reflect together.
@@ -216,58 +394,90 @@ impl Feed {
 
     /// Applies one payload (already sequence-checked).
     pub(crate) fn apply_payload(&self, payload: &[u8]) {
+        let st = &self.status;
         let batch = match decode_batch(payload) {
             Ok(b) => b,
             Err(e) => {
-                self.status.bad_payloads.fetch_add(1, Ordering::Relaxed);
-                tracing::debug!(worker = %self.worker, error = %e, "dropping malformed KV event batch");
+                self.dropped(Dropped::MalformedFrame, &e);
                 return;
             }
         };
         if batch.dp_rank.is_some_and(|r| r != self.worker.dp_rank) {
-            self.status.bad_payloads.fetch_add(1, Ordering::Relaxed);
+            self.dropped(
+                Dropped::WrongRank,
+                &"batch published for another data-parallel rank",
+            );
             return;
         }
+        let mut clean = true;
         for ev in batch.events {
             let ev = match ev.map(super::vllm::Event::into_neutral) {
                 Ok(Neutral::Event(ev)) => ev,
                 Ok(Neutral::OtherGroup) => {
-                    self.counters.skipped_groups.fetch_add(1, Ordering::Relaxed);
+                    st.dropped[Dropped::OtherGroup as usize].fetch_add(1, Ordering::Relaxed);
                     continue;
                 }
                 Ok(Neutral::Unknown) => {
-                    self.counters.unknown_types.fetch_add(1, Ordering::Relaxed);
+                    st.dropped[Dropped::UnknownType as usize].fetch_add(1, Ordering::Relaxed);
                     continue;
                 }
-                Err(_) => {
-                    self.counters.malformed.fetch_add(1, Ordering::Relaxed);
+                Err(e) => {
+                    clean = false;
+                    self.dropped(Dropped::MalformedEvent, &e);
                     continue;
                 }
             };
-            match engine_event::apply(&self.index, &self.worker, &ev, &self.counters) {
+            match engine_event::apply(&self.index, &self.worker, &ev, &st.events) {
                 Ok(()) => {}
-                Err(ApplyError::BlockSize { event, model }) => {
-                    // Counted by the writer; worth a warning: the engine and the configuration
-                    // disagree, so none of this worker's blocks can ever be credited.
-                    tracing::warn!(
-                        worker = %self.worker,
-                        event_block_size = event,
-                        model_block_size = model,
-                        "dropping KV event with a different block size"
-                    );
+                Err(e @ ApplyError::BlockSize { .. }) => {
+                    // The engine and the configuration disagree: none of this worker's blocks
+                    // can ever be credited.
+                    clean = false;
+                    self.dropped(Dropped::BlockSizeMismatch, &e);
                 }
-                Err(ApplyError::Index(e)) => {
-                    tracing::debug!(worker = %self.worker, error = %e, "KV event not applied");
-                    self.counters.malformed.fetch_add(1, Ordering::Relaxed);
+                Err(e @ ApplyError::Index(_)) => {
+                    clean = false;
+                    self.dropped(Dropped::MalformedEvent, &e);
                 }
             }
         }
-        self.status.batches.fetch_add(1, Ordering::Relaxed);
-        self.status.cold.store(false, Ordering::Relaxed);
+        if clean && let Some(was) = st.decoding.ok() {
+            tracing::info!(worker = %self.worker, was, "KV event batches decode again");
+        }
+        st.batches.fetch_add(1, Ordering::Relaxed);
+        st.cold.store(false, Ordering::Relaxed);
         if batch.ts.is_finite() && batch.ts > 0.0 {
-            self.status
-                .last_event_ms
+            st.last_event_ms
                 .store((batch.ts * 1000.0) as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Counts a dropped message or event, and logs it when the decoding failure changes.
+    fn dropped(&self, why: Dropped, error: &dyn std::fmt::Display) {
+        let st = &self.status;
+        st.dropped[why as usize].fetch_add(1, Ordering::Relaxed);
+        if st.decoding.fail(why.label()) {
+            tracing::warn!(worker = %self.worker, reason = why.label(), %error, "dropping KV events (logged again when the reason changes)");
+        } else {
+            tracing::debug!(worker = %self.worker, reason = why.label(), %error, "dropping KV events");
+        }
+    }
+
+    /// Counts a failed or ended connection, and logs it when the failure changes.
+    fn connection_failed(&self, socket: FeedSocket, e: &ZmtpError) {
+        self.status.count_connection_error(socket, e);
+        let state = match socket {
+            FeedSocket::Events => &self.status.connection,
+            FeedSocket::Replay => &self.status.replay,
+        };
+        let endpoint = match socket {
+            FeedSocket::Events => Some(self.endpoints.events.as_str()),
+            FeedSocket::Replay => self.endpoints.replay.as_deref(),
+        };
+        if state.fail(e.reason()) {
+            tracing::warn!(worker = %self.worker, socket = socket.label(), endpoint, reason = e.reason(), error = %e, "KV event connection failed; retrying with backoff (logged again when the reason changes)");
+        } else {
+            tracing::debug!(worker = %self.worker, socket = socket.label(), reason = e.reason(), error = %e, "KV event connection failed");
         }
     }
 
@@ -282,11 +492,17 @@ impl Feed {
     /// Handles one published message `[topic, seq, payload]`.
     pub async fn on_message(&self, frames: &[Bytes], cursor: &mut Cursor) {
         let (Some(seq), Some(payload)) = (frames.get(1), frames.get(2)) else {
-            self.status.bad_payloads.fetch_add(1, Ordering::Relaxed);
+            self.dropped(
+                Dropped::MalformedFrame,
+                &format_args!("{} frame(s), want [topic, seq, payload]", frames.len()),
+            );
             return;
         };
         let Ok(seq) = <[u8; 8]>::try_from(seq.as_ref()).map(u64::from_be_bytes) else {
-            self.status.bad_payloads.fetch_add(1, Ordering::Relaxed);
+            self.dropped(
+                Dropped::MalformedFrame,
+                &format_args!("sequence frame of {} bytes, want 8", seq.len()),
+            );
             return;
         };
         if let Some(below) = cursor.joined_below {
@@ -350,8 +566,9 @@ impl Feed {
                 tracing::info!(worker = %self.worker, next_sequence = next, "joined the engine's event history by replay");
             }
             Err(why) => {
-                // Not fatal: the first live message tries again (seq_action's join rule).
-                tracing::warn!(worker = %self.worker, error = %why, "join replay failed");
+                // Not fatal: the first live message tries again (seq_action's join rule). The
+                // failure itself was logged by `replay` when it changed.
+                tracing::debug!(worker = %self.worker, error = %why, "join replay failed");
             }
         }
     }
@@ -359,26 +576,47 @@ impl Feed {
     /// Replays `from..until` (`until: None`: everything the engine buffers) through the engine's
     /// replay socket, applying batches in order. `strict`: fail (applying nothing) when the
     /// engine no longer has `from`; otherwise (joining a running engine) start from the oldest
-    /// batch it still has.
+    /// batch it still has. Failures are counted and logged once per change.
     async fn replay(&self, from: u64, until: Option<u64>, strict: bool) -> Result<(), ReplayError> {
+        let result = self.replay_once(from, until, strict).await;
+        match &result {
+            Ok(()) => {
+                if let Some(was) = self.status.replay.ok() {
+                    tracing::info!(worker = %self.worker, was, "KV event replay works again");
+                }
+            }
+            Err(ReplayError::Socket(e)) => self.connection_failed(FeedSocket::Replay, e),
+            Err(ReplayError::NoEndpoint) => {}
+            Err(e) => {
+                if self.status.replay.fail(e.reason()) {
+                    tracing::warn!(worker = %self.worker, reason = e.reason(), error = %e, "KV event replay failed (logged again when the reason changes)");
+                }
+            }
+        }
+        result
+    }
+
+    async fn replay_once(
+        &self,
+        from: u64,
+        until: Option<u64>,
+        strict: bool,
+    ) -> Result<(), ReplayError> {
         let Some(endpoint) = &self.endpoints.replay else {
             return Err(ReplayError::NoEndpoint);
         };
-        let mut dealer = DealerSocket::new();
-        tokio::time::timeout(REPLAY_CONNECT_TIMEOUT, dealer.connect(endpoint))
-            .await
-            .map_err(|_| ReplayError::ConnectTimeout)?
-            .map_err(ReplayError::Connect)?;
-        let mut req = ZmqMessage::from(Bytes::new());
-        req.push_back(Bytes::copy_from_slice(&from.to_be_bytes()));
-        dealer.send(req).await.map_err(ReplayError::Request)?;
+        let limits = Limits {
+            handshake_timeout: REPLAY_CONNECT_TIMEOUT,
+            message_timeout: REPLAY_TIMEOUT,
+            ..self.limits
+        };
+        let mut dealer = zmtp::connect(endpoint, SocketType::Dealer, limits).await?;
+        dealer.send(&[b"", &from.to_be_bytes()]).await?;
         let mut next = from;
         loop {
-            let msg = tokio::time::timeout(REPLAY_TIMEOUT, dealer.recv())
+            let frames = tokio::time::timeout(REPLAY_TIMEOUT, dealer.recv())
                 .await
-                .map_err(|_| ReplayError::Timeout)?
-                .map_err(ReplayError::Receive)?;
-            let frames = msg.into_vec();
+                .map_err(|_| ReplayError::Timeout)??;
             let (seq, payload) = replay_frame(&frames)?;
             if seq == REPLAY_END {
                 return match until {
@@ -398,43 +636,56 @@ impl Feed {
     }
 }
 
-/// Runs a feed until the task is aborted: connect, subscribe, apply, reconnect on failure.
-/// `expected`: the first sequence the current index state expects (from a peer's snapshot), or
-/// `None` to join like a new subscriber.
+/// Runs a feed until the task is aborted: connect, subscribe, apply, reconnect with backoff on
+/// failure. `expected`: the first sequence the current index state expects (from a peer's
+/// snapshot), or `None` to join like a new subscriber.
 pub async fn run(feed: Arc<Feed>, expected: Option<u64>) {
     let mut cursor = Cursor {
         expected,
         joined_below: None,
     };
-    let mut backoff = Duration::from_millis(100);
+    let mut backoff = BACKOFF.0;
     loop {
-        let mut sub = SubSocket::new();
-        let connected =
-            tokio::time::timeout(Duration::from_secs(5), sub.connect(&feed.endpoints.events)).await;
-        if !matches!(connected, Ok(Ok(_))) || sub.subscribe(&feed.endpoints.topic).await.is_err() {
-            feed.status.connected.store(false, Ordering::Relaxed);
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(Duration::from_secs(5));
-            continue;
-        }
-        backoff = Duration::from_millis(100);
-        feed.status.connected.store(true, Ordering::Relaxed);
-        tracing::info!(worker = %feed.worker, endpoint = %feed.endpoints.events, "subscribed to KV events");
-        feed.join(&mut cursor).await;
-        loop {
-            match sub.recv().await {
-                Ok(msg) => {
-                    let frames = msg.into_vec();
-                    feed.on_message(&frames, &mut cursor).await;
+        let error = match subscribe(&feed).await {
+            Err(e) => e,
+            Ok(mut sub) => {
+                feed.status.connected.store(true, Ordering::Relaxed);
+                match feed.status.connection.ok() {
+                    Some(was) => {
+                        tracing::info!(worker = %feed.worker, endpoint = %feed.endpoints.events, was, "subscribed to KV events again")
+                    }
+                    None => {
+                        tracing::info!(worker = %feed.worker, endpoint = %feed.endpoints.events, "subscribed to KV events")
+                    }
                 }
-                Err(e) => {
-                    tracing::warn!(worker = %feed.worker, error = %e, "KV event stream broke; reconnecting");
-                    break;
-                }
+                feed.join(&mut cursor).await;
+                let error = loop {
+                    match sub.recv().await {
+                        Ok(frames) => {
+                            // A connection that delivers is healthy: the next failure retries soon.
+                            backoff = BACKOFF.0;
+                            feed.on_message(&frames, &mut cursor).await;
+                        }
+                        Err(e) => break e,
+                    }
+                };
+                feed.status.connected.store(false, Ordering::Relaxed);
+                error
             }
-        }
-        feed.status.connected.store(false, Ordering::Relaxed);
+        };
+        feed.connection_failed(FeedSocket::Events, &error);
+        // Also after a connection that broke without delivering anything: a peer that accepts
+        // and then sends garbage must not make the feed spin.
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(BACKOFF.1);
     }
+}
+
+/// Connects the feed's SUB and subscribes it.
+async fn subscribe(feed: &Feed) -> Result<zmtp::Connection, ZmtpError> {
+    let mut sub = zmtp::connect(&feed.endpoints.events, SocketType::Sub, feed.limits).await?;
+    sub.subscribe(feed.endpoints.topic.as_bytes()).await?;
+    Ok(sub)
 }
 
 #[cfg(test)]
@@ -491,7 +742,7 @@ mod tests {
                 replay: None,
                 topic: String::new(),
             },
-            counters: Default::default(),
+            limits: Limits::default(),
             status: Default::default(),
             apply_lock: parking_lot::Mutex::new(()),
         }

@@ -434,6 +434,16 @@ pub fn kv_epp_config(workers: &[SocketAddr], extra: &str) -> kv_epp::config::Con
 
 /// Waits (15 s at most) until `server`'s index of model `m` holds exactly `blocks` blocks of
 /// `worker`: the engine's events so far were applied.
+/// The value of the first series in a Prometheus text exposition that starts with `series`
+/// (name and labels, e.g. `kv_epp_requests_total{model="m",outcome="routed"}`); 0 when absent.
+pub fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(series))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
 pub async fn wait_worker_blocks(
     server: &kv_epp::server::Server,
     worker: SocketAddr,
@@ -454,4 +464,19 @@ pub async fn eventually(secs: u64, mut f: impl FnMut() -> bool) -> bool {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     f()
+}
+
+/// Polls the future `f` makes until it yields true or `secs` pass.
+pub async fn eventually_async<F: std::future::Future<Output = bool>>(
+    secs: u64,
+    mut f: impl FnMut() -> F,
+) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while Instant::now() < deadline {
+        if f().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    f().await
 }

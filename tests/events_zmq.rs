@@ -687,3 +687,58 @@ async fn query_by_hash_contract() {
         .unwrap();
     assert_eq!(r.status, 413);
 }
+
+/// The README's "checking by hand" path: `kv-epp hash --salt S` hashes under the same namespace
+/// rule as routing, so its `local` output pasted into `/query_by_hash` finds the tenant's blocks,
+/// for a salt too long to forward verbatim as much as for a short one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_epp_hash_output_pastes_into_query_by_hash() {
+    let (mut engine, server, worker) = subscribed("127.0.0.1:18005", None, false, false).await;
+    let long = "L".repeat(300);
+    let t: Vec<u32> = (100..108).collect();
+    for (i, salt) in ["tenant-a", long.as_str()].into_iter().enumerate() {
+        let h = 10 * i as u64;
+        engine
+            .publish(
+                vec![engine.stored(&[h + 1, h + 2], None, &t, Some(&fwd(salt)))],
+                false,
+            )
+            .await;
+        assert!(wait_worker_blocks(&server, worker, 2 * (i + 1)).await);
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kv-epp"))
+            .args(["hash", "--block-size", "4", "--salt", salt])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .and_then(|mut c| {
+                use std::io::Write;
+                c.stdin
+                    .take()
+                    .unwrap()
+                    .write_all(serde_json::to_string(&t).unwrap().as_bytes())?;
+                c.wait_with_output()
+            })
+            .unwrap();
+        assert!(out.status.success());
+        let hashes: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        // Pasted as is: u64 values, with no cache_salt field (the hashes already carry it).
+        let body = serde_json::json!({"model": "m", "block_hashes": hashes["local"]});
+        let r = post_json(
+            server.admin_addr,
+            "/query_by_hash",
+            &[],
+            body.to_string().as_bytes(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        let best = v["instances"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i["overlap_tokens"].as_u64().unwrap())
+            .max();
+        assert_eq!(best, Some(8), "salt of {} chars: {v}", salt.len());
+    }
+}

@@ -1,10 +1,13 @@
 //! `kv-epp hash`: an operator's check of the hashing contract against another implementation.
 //!
 //! Reads a JSON array of token IDs on stdin and prints `{"local":[...],"sequence":[...]}` (u64).
+//! The salt enters through its namespace, exactly as routing hashes it (`namespace::seed_for`),
+//! so `local` can be pasted into `/query_by_hash` as is, for long salts too.
 
 use std::io::Read;
 
-use kv_epp_core::hashing::{HashSeed, prompt_hashes};
+use kv_epp_core::hashing::prompt_hashes;
+use kv_epp_core::namespace::seed_for;
 use kv_epp_core::salt::{CacheSalt, SaltSource};
 
 /// Flags of `kv-epp hash`.
@@ -33,7 +36,7 @@ pub(crate) fn run(args: &HashArgs, mut input: impl Read) -> Result<String, Strin
         Some(s) => CacheSalt::new(s, SaltSource::Header).map_err(|e| e.to_string())?,
         None => None,
     };
-    let seed = HashSeed::new(args.lora.as_deref(), salt.as_ref().map(CacheSalt::expose));
+    let seed = seed_for(salt.as_ref(), args.lora.as_deref());
     let (local, sequence) = prompt_hashes(&tokens, args.block_size, seed);
     let out = serde_json::json!({
         "local": local.iter().map(|h| h.0).collect::<Vec<_>>(),

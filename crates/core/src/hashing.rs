@@ -18,6 +18,10 @@ const LORA_SEED: u64 = 0;
 /// Seed used to hash the cache salt into the local-hash seed; distinct from [`LORA_SEED`] so that
 /// salt "X" and adapter "X" never collide.
 const SALT_SEED: u64 = 1;
+/// Seed used to hash a salt *digest* (the namespace of a salt too long to forward) into the
+/// local-hash seed; distinct from [`SALT_SEED`], so a digest never hashes like a literal salt
+/// whose bytes happen to equal it.
+const SALT_DIGEST_SEED: u64 = 2;
 
 /// Hash of one complete block of tokens under a [`HashSeed`]. Position-independent.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -49,6 +53,13 @@ impl HashSeed {
             seed = seed.wrapping_add(xxh3_64_with_seed(salt.as_bytes(), SALT_SEED));
         }
         HashSeed(seed)
+    }
+
+    /// The seed for an optional LoRA adapter and a salt known only by its SHA-256 digest (see
+    /// `namespace`: salts too long to forward to the engine).
+    pub fn with_salt_digest(lora_name: Option<&str>, digest: &[u8; 32]) -> HashSeed {
+        let HashSeed(seed) = HashSeed::new(lora_name, None);
+        HashSeed(seed.wrapping_add(xxh3_64_with_seed(digest, SALT_DIGEST_SEED)))
     }
 }
 

@@ -14,6 +14,9 @@
 //! - `GET /workers`: per worker, readiness, in-flight requests, event feed state and blocks held.
 //! - `GET /debug/digest`: per model, an order-independent digest of the index (no salts), so
 //!   replicas can be checked for convergence from outside.
+//! - `GET /debug/replica`: this instance, its peers, owners and relay positions.
+//! - `GET /healthz` ([`LIVENESS_PATH`]): `ok` while the process serves; the one route open
+//!   without the admin token (`server.rs` puts the others behind `crate::auth`).
 //!
 //! Bodies are limited to [`MAX_BODY`] bytes; every error is a 4xx with a JSON reason. Salts never
 //! appear in responses.
@@ -40,6 +43,9 @@ use kv_epp_core::worker::WorkerId;
 /// Largest request body accepted.
 pub const MAX_BODY: usize = 8 << 20;
 
+/// The liveness route, answered without a token.
+pub const LIVENESS_PATH: &str = "/healthz";
+
 /// Shared state of the admin API.
 #[derive(Clone)]
 pub struct AdminState {
@@ -64,6 +70,7 @@ pub fn routes(state: AdminState) -> HttpRouter {
         .route("/workers", get(workers))
         .route("/debug/digest", get(digest))
         .route("/debug/replica", get(replica))
+        .route(LIVENESS_PATH, get(|| async { "ok" }))
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(state)
 }

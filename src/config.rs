@@ -164,9 +164,17 @@ pub struct ServerConfig {
     pub metrics_port: u16,
     /// Admin HTTP port: the standalone query API and worker status.
     pub admin_port: u16,
-    /// Authenticate metrics scrapes (not supported yet: refused at start-up when true).
+    /// A file holding the admin API's bearer token (e.g. a mounted Secret; re-read when it
+    /// changes). Without one, the admin API needs no token and listens on loopback only.
+    pub admin_token_file: Option<PathBuf>,
+    /// Require `Authorization: Bearer <token>` on metrics scrapes: checked against
+    /// `metrics_token_file`, or, without one, with the Kubernetes TokenReview and
+    /// SubjectAccessReview APIs (`get` on `/metrics`).
     #[serde(default)]
     pub metrics_auth: bool,
+    /// A file holding the token scrapers present when `metrics_auth` is on (re-read when it
+    /// changes).
+    pub metrics_token_file: Option<PathBuf>,
     /// Serve TLS on the ext_proc port.
     pub secure_serving: bool,
     /// Directory with `tls.crt` and `tls.key`; a self-signed certificate is generated when unset.
@@ -181,7 +189,9 @@ impl Default for ServerConfig {
             grpc_health_port: 9003,
             metrics_port: 9090,
             admin_port: 9091,
+            admin_token_file: None,
             metrics_auth: false,
+            metrics_token_file: None,
             secure_serving: false,
             cert_path: None,
         }
@@ -604,11 +614,8 @@ impl Config {
                 }
             }
         }
-        if s.metrics_auth {
-            return bad(
-                "server.metrics_auth is not supported by this kv-epp release; set it to false"
-                    .into(),
-            );
+        if s.metrics_token_file.is_some() && !s.metrics_auth {
+            return bad("server.metrics_token_file is set but server.metrics_auth is false".into());
         }
         if s.cert_path.is_some() && !s.secure_serving {
             return bad("server.cert_path is set but server.secure_serving is false".into());

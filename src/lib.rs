@@ -3,6 +3,7 @@
 //! isolated by their cache salt. See `ARCHITECTURE.md` for the code map.
 
 pub mod admin;
+pub mod auth;
 pub mod config;
 pub mod decide;
 pub mod discovery;

@@ -51,6 +51,11 @@ pub struct Metrics {
     pub replica_snapshot_bytes: Counter,
     /// Peer API calls refused for a missing or wrong token.
     pub replica_unauthenticated: Counter,
+    /// Admin API requests refused, by reason (`missing`, `malformed`, `invalid_token`).
+    pub admin_unauthenticated: Family<Labels, Counter>,
+    /// Metrics scrapes refused, by reason (`missing`, `malformed`, `invalid_token`,
+    /// `forbidden`, `unavailable`).
+    pub metrics_unauthenticated: Family<Labels, Counter>,
 }
 
 impl Default for Metrics {
@@ -159,8 +164,22 @@ impl Metrics {
             "Peer API calls refused for a missing or wrong token",
             replica_unauthenticated.clone(),
         );
+        let admin_unauthenticated = Family::<Labels, Counter>::default();
+        registry.register(
+            "admin_unauthenticated",
+            "Admin API requests refused for a missing, malformed or wrong bearer token, by reason",
+            admin_unauthenticated.clone(),
+        );
+        let metrics_unauthenticated = Family::<Labels, Counter>::default();
+        registry.register(
+            "metrics_unauthenticated",
+            "Metrics scrapes refused (no, malformed or invalid bearer token; forbidden; token review unavailable), by reason",
+            metrics_unauthenticated.clone(),
+        );
         Metrics {
             registry,
+            admin_unauthenticated,
+            metrics_unauthenticated,
             replica_ready,
             replica_peers,
             replica_relay_batches,

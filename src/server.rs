@@ -2,7 +2,7 @@
 //! metrics, admin, peers), wires them to one [`Picker`], and runs until shut down. Tests start it
 //! in-process on ephemeral ports and reach the picker directly.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
@@ -13,6 +13,7 @@ use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Identity, Server as GrpcServer, ServerTlsConfig};
 use tonic_health::ServingStatus;
 
+use crate::auth::{Guard, Listener, Reviews, TokenFile, Verifier};
 use crate::config::Config;
 use crate::decide::Picker;
 use crate::events::Feeds;
@@ -53,6 +54,9 @@ pub enum ServeError {
     /// Replication could not be set up.
     #[error("peers: {0}")]
     Peers(String),
+    /// A control port's authentication could not be set up (the message names the field).
+    #[error("{0}")]
+    Auth(String),
 }
 
 /// A running server.
@@ -129,6 +133,7 @@ impl Server {
                 .map_err(|e| ServeError::Tokenizer(e.to_string()))?,
         );
         let ip = config.server.bind_address;
+        let (admin_guard, metrics_guard) = guards(config, &metrics).await?;
         let grpc = bind("ext_proc", SocketAddr::new(ip, config.server.grpc_port)).await?;
         let health = bind(
             "health",
@@ -136,8 +141,12 @@ impl Server {
         )
         .await?;
         let metrics_l = bind("metrics", SocketAddr::new(ip, config.server.metrics_port)).await?;
-        let admin_l = bind("admin", SocketAddr::new(ip, config.server.admin_port)).await?;
+        let admin_ip = admin_bind_address(ip, admin_guard.is_some());
+        let admin_l = bind("admin", SocketAddr::new(admin_ip, config.server.admin_port)).await?;
         let admin_addr = local(&admin_l);
+        if admin_guard.is_none() {
+            tracing::warn!(%admin_addr, "server.admin_token_file is not set: the admin API needs no token, so it listens on loopback only (set a token file to serve it on server.bind_address)");
+        }
         let replica = match &config.peers.enabled() {
             true => {
                 let token = match &config.peers.token_file {
@@ -280,7 +289,7 @@ impl Server {
         }));
 
         let exported = metrics.clone();
-        let app = axum::Router::new().route(
+        let mut app = axum::Router::new().route(
             "/metrics",
             axum::routing::get(move || {
                 let m = exported.clone();
@@ -295,11 +304,15 @@ impl Server {
                 }
             }),
         );
+        if let Some(guard) = metrics_guard {
+            app = guard.protect(app);
+        }
         let mut stop = rx.clone();
         tasks.push(tokio::spawn(async move {
             let done = async move {
                 let _ = stop.wait_for(|s| *s).await;
             };
+            let app = app.into_make_service_with_connect_info::<SocketAddr>();
             if let Err(e) = axum::serve(metrics_l, app)
                 .with_graceful_shutdown(done)
                 .await
@@ -330,18 +343,22 @@ impl Server {
             tasks.extend(crate::replica::start(state.clone(), listener, rx.clone()));
             state
         });
-        let admin = crate::admin::routes(crate::admin::AdminState {
+        let mut admin = crate::admin::routes(crate::admin::AdminState {
             picker: picker.clone(),
             feeds: feeds.clone(),
             replica: replica.clone(),
             max_body_bytes: config.routing.max_body_bytes,
             retry_after_seconds: config.routing.retry_after_seconds,
         });
+        if let Some(guard) = admin_guard {
+            admin = guard.protect(admin);
+        }
         let mut stop = rx.clone();
         tasks.push(tokio::spawn(async move {
             let done = async move {
                 let _ = stop.wait_for(|s| *s).await;
             };
+            let admin = admin.into_make_service_with_connect_info::<SocketAddr>();
             if let Err(e) = axum::serve(admin_l, admin)
                 .with_graceful_shutdown(done)
                 .await
@@ -376,6 +393,57 @@ impl Server {
     }
 }
 
+/// Where the admin API listens: `bind` when it is authenticated (or already loopback), else the
+/// loopback address of the same family, so an unauthenticated admin API is never reachable
+/// from another host.
+fn admin_bind_address(bind: IpAddr, authenticated: bool) -> IpAddr {
+    match bind {
+        _ if authenticated || bind.is_loopback() => bind,
+        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::LOCALHOST),
+    }
+}
+
+/// The admin and metrics guards the configuration asks for. Token files are read now (an empty
+/// or unreadable one stops start-up, naming its field); metrics auth without a token file needs
+/// a Kubernetes client for TokenReview.
+async fn guards(
+    config: &Config,
+    metrics: &crate::metrics::Metrics,
+) -> Result<(Option<Arc<Guard>>, Option<Arc<Guard>>), ServeError> {
+    let s = &config.server;
+    let token_file = |field, path: &std::path::Path| {
+        TokenFile::open(field, path)
+            .map(Verifier::TokenFile)
+            .map_err(|e| ServeError::Auth(e.to_string()))
+    };
+    let admin = match &s.admin_token_file {
+        Some(path) => {
+            let verifier = token_file("server.admin_token_file", path)?;
+            let open = &[crate::admin::LIVENESS_PATH][..];
+            Some(Guard::new(Listener::Admin, verifier, open, metrics))
+        }
+        None => None,
+    };
+    let scrapes = match (&s.metrics_token_file, s.metrics_auth) {
+        (_, false) => None,
+        (Some(path), true) => Some(token_file("server.metrics_token_file", path)?),
+        (None, true) => {
+            let client = crate::discovery::client_for(config.pool.kubeconfig.as_deref())
+                .await
+                .map_err(|e| {
+                    ServeError::Auth(format!(
+                        "server.metrics_auth is true and server.metrics_token_file is not set, so scrapes are checked with the Kubernetes TokenReview API, but there is no Kubernetes client: {e}"
+                    ))
+                })?;
+            let reviewer = crate::discovery::TokenReviewer::new(client, "/metrics");
+            Some(Verifier::Kubernetes(Reviews::new(reviewer)))
+        }
+    };
+    let scrapes = scrapes.map(|v| Guard::new(Listener::Metrics, v, &[], metrics));
+    Ok((admin.map(Arc::new), scrapes.map(Arc::new)))
+}
+
 fn local(l: &TcpListener) -> SocketAddr {
     l.local_addr()
         .expect("a bound listener has a local address")
@@ -386,6 +454,17 @@ mod tests {
     use futures_util::StreamExt;
 
     use super::*;
+
+    #[test]
+    fn an_unauthenticated_admin_api_listens_on_loopback_only() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert_eq!(admin_bind_address(ip("0.0.0.0"), false), ip("127.0.0.1"));
+        assert_eq!(admin_bind_address(ip("10.1.2.3"), false), ip("127.0.0.1"));
+        assert_eq!(admin_bind_address(ip("::"), false), ip("::1"));
+        assert_eq!(admin_bind_address(ip("127.0.0.7"), false), ip("127.0.0.7"));
+        assert_eq!(admin_bind_address(ip("0.0.0.0"), true), ip("0.0.0.0"));
+        assert_eq!(admin_bind_address(ip("::"), true), ip("::"));
+    }
 
     /// Every connection a gRPC listener accepts has Nagle off.
     #[tokio::test]

@@ -1,4 +1,5 @@
-//! Black-box tests of `kv-epp serve`: configuration errors, health, metrics, clean shutdown.
+//! Black-box tests of `kv-epp serve`: configuration errors, health, metrics, the admin token
+//! flag, clean shutdown.
 
 mod common;
 
@@ -34,7 +35,14 @@ fn invalid_configuration_stops_start_up_naming_the_field() {
         ("routing: {max_body_bytez: 1}", "max_body_bytez"),
         ("scoring: {temperature: -1}", "scoring.temperature"),
         ("models: [{name: m, block_size: 0}]", "models[0].block_size"),
-        ("server: {metrics_auth: true}", "server.metrics_auth"),
+        (
+            "server: {metrics_token_file: /etc/kv-epp/metrics-token}",
+            "server.metrics_token_file",
+        ),
+        (
+            "server: {admin_token_file: /nonexistent/admin-token}",
+            "server.admin_token_file",
+        ),
     ];
     for (yaml, field) in cases {
         let path = write_config(yaml);
@@ -150,4 +158,68 @@ async fn serves_health_and_metrics_and_stops_on_sigterm() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(status.expect("exited after SIGTERM").success());
+}
+
+/// `--admin-token-file` puts the admin API behind the token (liveness stays open) and serves it
+/// on `bind_address`; `--validate-only` reads the file too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_token_file_flag_protects_the_admin_api() {
+    let token = write_config("flag-admin-token\n");
+    let config = write_config(
+        "server: {bind_address: 127.0.0.1}\nevents: {engine: none}\nmodels: [{name: m, block_size: 16}]\nworkers: [{endpoint: '127.0.0.1:1', model: m}]",
+    );
+    let ports: Vec<String> = (0..4).map(|_| free_port().to_string()).collect();
+    let args = |extra: &[&str]| {
+        let mut a = vec!["serve", "--config-file", config.to_str().unwrap()];
+        a.extend_from_slice(extra);
+        a.iter().map(|s| s.to_string()).collect::<Vec<_>>()
+    };
+    let empty = write_config("");
+    let out = kv_epp()
+        .args(args(&[
+            "--admin-token-file",
+            empty.to_str().unwrap(),
+            "--validate-only",
+        ]))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("server.admin_token_file") && err.contains("empty"),
+        "{err}"
+    );
+    let child = kv_epp()
+        .args(args(&[
+            "--admin-token-file",
+            token.to_str().unwrap(),
+            "--grpc-port",
+            &ports[0],
+            "--grpc-health-port",
+            &ports[1],
+            "--metrics-port",
+            &ports[2],
+            "--admin-port",
+            &ports[3],
+        ]))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let _guard = ChildGuard(child);
+    let admin = ("127.0.0.1", ports[3].parse::<u16>().unwrap());
+    let mut live = None;
+    for _ in 0..200 {
+        if let Ok(r) = http(admin, "GET", "/healthz", &[], b"").await {
+            live = Some(r.status);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(live, Some(200), "liveness needs no token");
+    let w = http(admin, "GET", "/workers", &[], b"").await.unwrap();
+    assert_eq!(w.status, 401);
+    let bearer = [("authorization", "Bearer flag-admin-token")];
+    let w = http(admin, "GET", "/workers", &bearer, b"").await.unwrap();
+    assert_eq!(w.status, 200, "{}", w.text());
 }

@@ -36,6 +36,10 @@ pub(crate) struct ServeArgs {
     /// Admin HTTP port: query API and worker status (overrides server.admin_port).
     #[arg(long)]
     pub admin_port: Option<u16>,
+    /// File with the bearer token the admin API requires (overrides server.admin_token_file);
+    /// without one the admin API listens on loopback only.
+    #[arg(long)]
+    pub admin_token_file: Option<PathBuf>,
     /// Peer API port for replica bootstrap and relays (overrides peers.port).
     #[arg(long)]
     pub peer_port: Option<u16>,
@@ -69,6 +73,9 @@ pub(crate) fn effective_config(args: &ServeArgs) -> Result<Config, String> {
     if let Some(p) = args.admin_port {
         s.admin_port = p;
     }
+    if let Some(p) = &args.admin_token_file {
+        s.admin_token_file = Some(p.clone());
+    }
     if let Some(v) = args.secure_serving {
         s.secure_serving = v;
     }
@@ -90,6 +97,16 @@ pub(crate) fn effective_config(args: &ServeArgs) -> Result<Config, String> {
     c.validate().map_err(|e| e.to_string())?;
     if let Some(path) = &c.peers.token_file {
         std::fs::metadata(path).map_err(|e| format!("peer token file {}: {e}", path.display()))?;
+    }
+    // Token files are read here too, so --validate-only refuses an empty or unreadable one.
+    let tokens = [
+        ("server.admin_token_file", &c.server.admin_token_file),
+        ("server.metrics_token_file", &c.server.metrics_token_file),
+    ];
+    for (field, path) in tokens {
+        if let Some(path) = path {
+            kv_epp::auth::TokenFile::open(field, path).map_err(|e| e.to_string())?;
+        }
     }
     c.read_secret_files().map_err(|e| e.to_string())?;
     Ok(c)

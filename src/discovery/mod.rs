@@ -7,6 +7,8 @@
 //! - `watch.rs`: the watch loop that feeds [`crate::membership::Membership`] and the readiness
 //!   condition `discovery`.
 //! - `peers.rs`: [`watch_service_endpoints`], the ready and not-ready addresses of a Service.
+//! - `review.rs`: [`TokenReviewer`], whether a bearer token's user may read a path (TokenReview
+//!   and SubjectAccessReview), for metrics authentication.
 //!
 //! Watches use kube-rs's `runtime::watcher` (list, then watch from the list's resourceVersion;
 //! a 410 Gone relists). The client comes from `pool.kubeconfig` when set, otherwise from
@@ -16,12 +18,14 @@
 mod endpoints;
 mod peers;
 mod pool;
+mod review;
 mod store;
 mod watch;
 
 pub use endpoints::SkipReason;
 pub use peers::{PortRef, ServiceEndpoints, watch_service_endpoints};
 pub use pool::{PoolApi, PoolSpec};
+pub use review::{Review, ReviewError, TokenReviewer};
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

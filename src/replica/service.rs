@@ -12,6 +12,7 @@ use tonic::{Request, Response, Status};
 use super::ReplicaState;
 use super::pb;
 use super::pb::replica_server::{Replica, ReplicaServer};
+use crate::auth::constant_time_eq;
 
 /// Relayed batches sent per read of the log.
 const RELAY_READ: usize = 64;
@@ -42,13 +43,6 @@ impl Service {
             Err(Status::unauthenticated("missing or wrong peer token"))
         }
     }
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 #[tonic::async_trait]

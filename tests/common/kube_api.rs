@@ -4,7 +4,10 @@
 //! "object":...}` lines, replaying every change after N), honours `labelSelector` (`k=v,...`)
 //! and `fieldSelector` (`metadata.name=...`), answers 404 for API versions it does not serve,
 //! can end every watch with a 410 Gone (`Expired`) ERROR event, and can be stopped and restarted
-//! on the same port to simulate an outage.
+//! on the same port to simulate an outage. It also answers `POST` TokenReviews
+//! (`authentication.k8s.io/v1`: the tokens given to [`FakeKube::allow_token`] authenticate) and
+//! SubjectAccessReviews (`authorization.k8s.io/v1`: `get` on the non-resource paths given to
+//! [`FakeKube::grant`]), or fails both with a 500 on demand.
 //!
 //! Every response carries `connection: close`, so a stopped server is really unreachable: no
 //! client keeps a pooled connection to it.
@@ -154,6 +157,13 @@ struct ApiState {
     not_served: BTreeSet<Res>,
     lists: HashMap<Res, usize>,
     watches: HashMap<Res, usize>,
+    /// TokenReview: token → user name.
+    tokens: HashMap<String, String>,
+    /// SubjectAccessReview: (user, non-resource path) pairs allowed `get`.
+    grants: BTreeSet<(String, String)>,
+    /// Reviews answer 500.
+    reviews_fail: bool,
+    token_reviews: usize,
 }
 
 impl ApiState {
@@ -369,6 +379,28 @@ impl FakeKube {
             .unwrap_or(0)
     }
 
+    /// Makes TokenReview authenticate `token` as `user`.
+    pub fn allow_token(&self, token: &str, user: &str) {
+        let mut s = self.state.lock().unwrap();
+        s.tokens.insert(token.to_owned(), user.to_owned());
+    }
+
+    /// Makes SubjectAccessReview allow `user` to `get` the non-resource `path`.
+    pub fn grant(&self, user: &str, path: &str) {
+        let mut s = self.state.lock().unwrap();
+        s.grants.insert((user.to_owned(), path.to_owned()));
+    }
+
+    /// Makes every review answer 500 (or answer again).
+    pub fn fail_reviews(&self, fail: bool) {
+        self.state.lock().unwrap().reviews_fail = fail;
+    }
+
+    /// TokenReviews received (failed ones included).
+    pub fn token_reviews(&self) -> usize {
+        self.state.lock().unwrap().token_reviews
+    }
+
     /// Stops listening and ends every open watch: the API is unreachable until `restart`.
     pub async fn stop(&self) {
         let task = self.server.lock().unwrap().take();
@@ -485,7 +517,48 @@ fn status(code: u16, reason: &str) -> Response {
     )
 }
 
+/// A TokenReview or SubjectAccessReview: the object sent back with its `status` filled in, as
+/// the API server answers a `create` of a review.
+fn review(state: &Mutex<ApiState>, path: &str, body: &[u8]) -> Response {
+    let Ok(mut review) = serde_json::from_slice::<Value>(body) else {
+        return status(400, "BadRequest");
+    };
+    let mut s = state.lock().unwrap();
+    let answer = match path {
+        "/apis/authentication.k8s.io/v1/tokenreviews" => {
+            s.token_reviews += 1;
+            let token = review["spec"]["token"].as_str().unwrap_or_default();
+            match s.tokens.get(token) {
+                Some(user) => json!({"authenticated": true, "user": {"username": user,
+                    "uid": format!("uid-{user}"), "groups": ["system:serviceaccounts", "system:authenticated"]}}),
+                None => json!({"authenticated": false, "error": "invalid bearer token"}),
+            }
+        }
+        "/apis/authorization.k8s.io/v1/subjectaccessreviews" => {
+            let spec = &review["spec"];
+            let user = spec["user"].as_str().unwrap_or_default().to_owned();
+            let attrs = &spec["nonResourceAttributes"];
+            let path = attrs["path"].as_str().unwrap_or_default().to_owned();
+            let allowed = attrs["verb"] == "get" && s.grants.contains(&(user, path));
+            json!({"allowed": allowed, "reason": if allowed { "granted" } else { "no rule allows it" }})
+        }
+        _ => return status(404, "NotFound"),
+    };
+    if s.reviews_fail {
+        return status(500, "InternalError");
+    }
+    review["status"] = answer;
+    respond(StatusCode::CREATED, Body::from(review.to_string()))
+}
+
 async fn handle(State(state): State<Arc<Mutex<ApiState>>>, req: Request<Body>) -> Response {
+    if req.method() == axum::http::Method::POST {
+        let path = req.uri().path().to_owned();
+        let body = axum::body::to_bytes(req.into_body(), 1 << 20)
+            .await
+            .unwrap_or_default();
+        return review(&state, &path, &body);
+    }
     let Some((res, ns)) = Res::parse(req.uri().path()) else {
         return status(404, "NotFound");
     };

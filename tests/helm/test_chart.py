@@ -7,6 +7,7 @@ kv-epp reads, and that the schema and the templates refuse bad values with a mes
 
 from __future__ import annotations
 
+import base64
 import copy
 import os
 import re
@@ -126,8 +127,10 @@ def test_defaults_render_the_picker_and_its_pool(chart):
             "ConfigMap",
             "Deployment",
             "InferencePool",
+            "NetworkPolicy",
             "Role",
             "RoleBinding",
+            "Secret",
             "Secret",
             "Secret",
             "Service",
@@ -149,12 +152,18 @@ def test_service_ports_and_app_protocols(chart):
         "grpc-ext-proc": (9002, "http2"),
         "grpc-health": (9003, "grpc"),
         "http-metrics": (9090, "http"),
-        "admin": (9091, "http"),
         "peer": (9004, "grpc"),
-    }
+    }, "the admin API is not on the Service by default"
     container_ports = {p["name"]: p["containerPort"] for p in r.container["ports"]}
     for p in ports.values():
         assert container_ports[p["targetPort"]] == p["port"]
+    assert container_ports["admin"] == 9091, "kubectl port-forward reaches the container port"
+
+
+def test_admin_port_on_the_service_when_asked(chart):
+    r = render(chart, merged({"inferenceExtension": {"admin": {"service": True}, "adminPort": 9191}}))
+    ports = {p["name"]: p for p in r.one("Service", FULLNAME)["spec"]["ports"]}
+    assert (ports["admin"]["port"], ports["admin"]["targetPort"], ports["admin"]["appProtocol"]) == (9191, "admin", "http")
 
 
 def test_headless_peer_service_lists_every_replica(chart):
@@ -187,6 +196,7 @@ def test_args_follow_the_kv_epp_cli(chart):
         "--admin-port=9091",
         "--peer-port=9004",
         "--peer-token-file=/var/run/secrets/kv-epp/peer-auth/token",
+        "--admin-token-file=/var/run/secrets/kv-epp/admin-auth/token",
         "--secure-serving",
     ]
 
@@ -416,9 +426,10 @@ def test_tokenizer_path_without_a_volume_is_refused(chart):
 def test_generated_secrets_are_mounted_as_files(chart):
     r = render(chart, BASE)
     secrets = {s["metadata"]["name"]: s for s in r.all("Secret")}
-    assert set(secrets) == {f"{FULLNAME}-peer-auth", f"{FULLNAME}-salt-key"}
+    assert set(secrets) == {f"{FULLNAME}-peer-auth", f"{FULLNAME}-salt-key", f"{FULLNAME}-admin-auth"}
     assert list(secrets[f"{FULLNAME}-peer-auth"]["data"]) == ["token"]
     assert list(secrets[f"{FULLNAME}-salt-key"]["data"]) == ["fingerprint-key"]
+    assert list(secrets[f"{FULLNAME}-admin-auth"]["data"]) == ["token"]
     volumes = {v["name"]: v for v in r.pod["volumes"]}
     assert volumes["peer-auth"]["secret"]["secretName"] == f"{FULLNAME}-peer-auth"
     assert volumes["salt-key"]["secret"]["secretName"] == f"{FULLNAME}-salt-key"
@@ -437,6 +448,7 @@ def test_existing_secrets_are_used_not_generated(chart):
                 "inferenceExtension": {
                     "peerAuth": {"existingSecret": "kv-epp-peers", "key": "shared"},
                     "saltFingerprintKey": {"existingSecret": "kv-epp-salt", "key": "k"},
+                    "admin": {"existingSecret": "kv-epp-admin", "key": "bearer"},
                 }
             }
         ),
@@ -447,6 +459,94 @@ def test_existing_secrets_are_used_not_generated(chart):
     assert volumes["salt-key"]["secretName"] == "kv-epp-salt"
     assert "--peer-token-file=/var/run/secrets/kv-epp/peer-auth/shared" in r.container["args"]
     assert r.config["salt"]["fingerprint_key_file"] == "/var/run/secrets/kv-epp/salt/k"
+    assert volumes["admin-auth"] == {"secretName": "kv-epp-admin", "items": [{"key": "bearer", "path": "bearer"}]}
+    assert "--admin-token-file=/var/run/secrets/kv-epp/admin-auth/bearer" in r.container["args"]
+
+
+def test_admin_token_is_a_generated_secret_mounted_as_a_followed_file(chart):
+    r = render(chart, BASE)
+    secret = r.one("Secret", f"{FULLNAME}-admin-auth")
+    assert secret["type"] == "Opaque"
+    assert len(base64.b64decode(secret["data"]["token"])) == 48
+    # A fresh render draws a new token (no cluster to look up); `lookup` keeps the live one on
+    # upgrade, as for the other generated Secrets.
+    assert render(chart, BASE).one("Secret", f"{FULLNAME}-admin-auth")["data"] != secret["data"]
+    volume = next(v for v in r.pod["volumes"] if v["name"] == "admin-auth")
+    assert volume["secret"] == {"secretName": f"{FULLNAME}-admin-auth", "items": [{"key": "token", "path": "token"}]}
+    mount = next(m for m in r.container["volumeMounts"] if m["name"] == "admin-auth")
+    # No subPath: the kubelet then updates the file when the Secret changes, and kv-epp re-reads it.
+    assert mount == {"name": "admin-auth", "mountPath": "/var/run/secrets/kv-epp/admin-auth", "readOnly": True}
+    assert "--admin-token-file=/var/run/secrets/kv-epp/admin-auth/token" in r.container["args"]
+    assert "admin_token_file" not in r.config["server"], "the flag carries it, as for the peer token"
+    templates = (CHART / "templates" / "_helpers.tpl").read_text()
+    assert 'lookup "v1" "Secret"' in templates
+    assert "Bearer $TOKEN" in r.notes and f"{FULLNAME}-admin-auth" in r.notes
+
+
+# --- NetworkPolicy ---------------------------------------------------------------------------
+
+
+def ingress_by_port(r: Rendered) -> dict[int, dict]:
+    rules = r.one("NetworkPolicy", FULLNAME)["spec"]["ingress"]
+    out = {}
+    for rule in rules:
+        (port,) = rule["ports"]
+        assert port["protocol"] == "TCP"
+        out[port["port"]] = rule
+    return out
+
+
+def test_network_policy_admits_each_port_only_from_who_needs_it(chart):
+    r = render(chart, BASE)
+    policy = r.one("NetworkPolicy", FULLNAME)["spec"]
+    pod_labels = r.one("Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["policyTypes"] == ["Ingress"], "egress stays open (API server, engines, peers)"
+    rules = ingress_by_port(r)
+    assert set(rules) == {9002, 9003, 9004, 9090}, "no admin rule: the admin port is reached by port-forward"
+    # ext_proc: the gateway's pods, by default every pod of the release namespace.
+    assert rules[9002]["from"] == [{"podSelector": {}}]
+    # Health: from anywhere (the kubelet probes from the node).
+    assert "from" not in rules[9003]
+    # Peers: only this release's own pods.
+    assert rules[9004]["from"] == [{"podSelector": {"matchLabels": policy["podSelector"]["matchLabels"]}}]
+    # Metrics: any pod of any namespace until narrowed.
+    assert rules[9090]["from"] == [{"podSelector": {}, "namespaceSelector": {}}]
+
+
+def test_network_policy_selectors_come_from_the_values(chart):
+    gateway_ns = {"matchLabels": {"kubernetes.io/metadata.name": "envoy-gateway-system"}}
+    gateway_pods = {"matchExpressions": [{"key": "gateway.envoyproxy.io/owning-gateway-name", "operator": "Exists"}]}
+    monitoring = {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+    prometheus = {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}
+    values = merged(
+        {
+            "inferenceExtension": {
+                "admin": {"service": True},
+                "networkPolicy": {
+                    "gateway": {
+                        "namespaceSelector": gateway_ns,
+                        "podSelector": gateway_pods,
+                        "ipBlocks": [{"cidr": "10.129.0.0/23"}],
+                    },
+                    "metrics": {"namespaceSelector": monitoring, "podSelector": prometheus},
+                    "admin": {"podSelector": {"matchLabels": {"role": "operator"}}},
+                },
+            }
+        }
+    )
+    rules = ingress_by_port(render(chart, values))
+    assert rules[9002]["from"] == [
+        {"podSelector": gateway_pods, "namespaceSelector": gateway_ns},
+        {"ipBlock": {"cidr": "10.129.0.0/23"}},
+    ]
+    assert rules[9090]["from"] == [{"podSelector": prometheus, "namespaceSelector": monitoring}]
+    assert rules[9091]["from"] == [{"podSelector": {"matchLabels": {"role": "operator"}}}], "release namespace only"
+
+
+def test_network_policy_can_be_left_out(chart):
+    r = render(chart, merged({"inferenceExtension": {"networkPolicy": {"enabled": False}}}))
+    assert r.all("NetworkPolicy") == []
 
 
 # --- TLS -------------------------------------------------------------------------------------
@@ -622,6 +722,23 @@ def test_event_engine_follows_the_model_server(chart, server, engine, expected):
         ({"config": {"pool": {"model_label": ""}}}, "/config/pool/model_label", "minLength"),
         ({"config": {"pool": {"name": "x"}}}, "/config/pool", "'name' not allowed"),
         ({"experimentalHttpRoute": {"requestTimeout": "forever"}}, "/experimentalHttpRoute/requestTimeout", "pattern"),
+        ({"inferenceExtension": {"admin": {"service": "yes"}}}, "/inferenceExtension/admin/service", "want boolean"),
+        ({"inferenceExtension": {"admin": {"secret": "x"}}}, "/inferenceExtension/admin", "'secret' not allowed"),
+        (
+            {"inferenceExtension": {"networkPolicy": {"gateway": {"podSelector": {"matchLabel": {"a": "b"}}}}}},
+            "/inferenceExtension/networkPolicy/gateway/podSelector",
+            "'matchLabel' not allowed",
+        ),
+        (
+            {"inferenceExtension": {"networkPolicy": {"metrics": {"namespaceSelector": "monitoring"}}}},
+            "/inferenceExtension/networkPolicy/metrics/namespaceSelector",
+            "want null",
+        ),
+        (
+            {"inferenceExtension": {"networkPolicy": {"gateway": {"ipBlocks": [{"cidr": "10.0.0.1"}]}}}},
+            "/inferenceExtension/networkPolicy/gateway/ipBlocks/0/cidr",
+            "pattern",
+        ),
     ],
 )
 def test_schema_refuses_bad_values(chart, values, where, why):
@@ -643,6 +760,10 @@ def test_schema_refuses_bad_values(chart, values, where, why):
         (
             {"inferenceExtension": {"flags": {"grpc-port": 9100}}},
             "inferenceExtension.flags.grpc-port: the chart sets --grpc-port itself; use inferenceExtension.extProcPort",
+        ),
+        (
+            {"inferenceExtension": {"flags": {"admin-token-file": "/tmp/t"}}},
+            "the chart sets --admin-token-file itself; use inferenceExtension.admin",
         ),
         (
             {
@@ -746,6 +867,7 @@ def kv_epp_binary() -> Path | None:
     [
         BASE,
         merged(BASE, {"inferenceExtension": {"replicas": 3}}),
+        merged(BASE, {"inferenceExtension": {"monitoring": {"prometheus": {"auth": {"enabled": True}}}}}),
         merged(BASE, {"inferencePool": {"modelServerType": "trtllm-serve"}}),
         merged(BASE, {"inferencePool": {"modelServerType": "sglang"}}),
         merged(BASE, {"config": {"models": [{"name": "m", "block_size": 16}]}}),
@@ -771,12 +893,16 @@ def test_rendered_args_and_config_are_accepted_by_kv_epp(chart, values, tmp_path
     config_path.write_text(yaml.safe_dump(config))
     token = tmp_path / "peer-token"
     token.write_text("t")
+    admin_token = tmp_path / "admin-token"
+    admin_token.write_text("a")
     args = []
     for a in r.container["args"]:
         if a.startswith("--config-file="):
             a = f"--config-file={config_path}"
         elif a.startswith("--peer-token-file="):
             a = f"--peer-token-file={token}"
+        elif a.startswith("--admin-token-file="):
+            a = f"--admin-token-file={admin_token}"
         elif a.startswith("--cert-path="):
             continue
         args.append(a)

@@ -77,6 +77,10 @@ app.kubernetes.io/part-of: kv-epp
 {{- default (printf "%s-peer-auth" (include "kv-epp.fullname" .)) .Values.inferenceExtension.peerAuth.existingSecret }}
 {{- end }}
 
+{{- define "kv-epp.adminSecretName" -}}
+{{- default (printf "%s-admin-auth" (include "kv-epp.fullname" .)) .Values.inferenceExtension.admin.existingSecret }}
+{{- end }}
+
 {{- define "kv-epp.fingerprintSecretName" -}}
 {{- default (printf "%s-salt-key" (include "kv-epp.fullname" .)) .Values.inferenceExtension.saltFingerprintKey.existingSecret }}
 {{- end }}
@@ -86,6 +90,7 @@ volume is read-only and cannot hold mount points for other volumes. */}}
 {{- define "kv-epp.configDir" -}}/etc/kv-epp{{- end }}
 {{- define "kv-epp.configPath" -}}/etc/kv-epp/config.yaml{{- end }}
 {{- define "kv-epp.peerAuthDir" -}}/var/run/secrets/kv-epp/peer-auth{{- end }}
+{{- define "kv-epp.adminAuthDir" -}}/var/run/secrets/kv-epp/admin-auth{{- end }}
 {{- define "kv-epp.saltKeyDir" -}}/var/run/secrets/kv-epp/salt{{- end }}
 {{- define "kv-epp.tlsDir" -}}/var/run/secrets/kv-epp/tls{{- end }}
 
@@ -120,6 +125,7 @@ volume is read-only and cannot hold mount points for other volumes. */}}
       "admin-port" "inferenceExtension.adminPort"
       "peer-port" "inferenceExtension.peerPort"
       "peer-token-file" "inferenceExtension.peerAuth"
+      "admin-token-file" "inferenceExtension.admin"
       "secure-serving" "inferenceExtension.tls.enabled"
       "cert-path" "inferenceExtension.tls.secretName" }}
 {{- range $flag, $_ := $ie.flags }}
@@ -189,6 +195,15 @@ file never disagree. */}}
       "events" $events
       "peers" (dict "service" (include "kv-epp.peerServiceName" .)) }}
 {{- toYaml $out }}
+{{- end }}
+
+{{/* One NetworkPolicy peer from a {namespaceSelector, podSelector} value: a null
+namespaceSelector means the release namespace (the field is left out), {} every namespace. */}}
+{{- define "kv-epp.networkPeer" -}}
+- podSelector:{{ if .podSelector }}{{ toYaml .podSelector | nindent 4 }}{{ else }} {}{{ end }}
+  {{- if kindIs "map" .namespaceSelector }}
+  namespaceSelector:{{ if .namespaceSelector }}{{ toYaml .namespaceSelector | nindent 4 }}{{ else }} {}{{ end }}
+  {{- end }}
 {{- end }}
 
 {{/* A Secret holding one random value that survives upgrades: the live Secret's value is reused

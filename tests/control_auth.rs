@@ -1,0 +1,327 @@
+//! The control ports' authentication, from outside: the admin API behind its bearer token (every
+//! route but `/healthz`, the token followed as its file rotates, loopback only without one) and
+//! `/metrics` behind a static token or the Kubernetes TokenReview and SubjectAccessReview APIs
+//! (the fake API server of `common/kube_api.rs`).
+
+mod common;
+#[path = "common/kube_api.rs"]
+mod kube_api;
+
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+
+use common::{HttpResponse, http, metric};
+use kube_api::FakeKube;
+use kv_epp::config::Config;
+use kv_epp::server::Server;
+
+/// Every admin route but liveness, with a body it accepts.
+const ROUTES: [(&str, &str, &str); 6] = [
+    ("GET", "/workers", ""),
+    ("GET", "/debug/digest", ""),
+    ("GET", "/debug/replica", ""),
+    (
+        "POST",
+        "/query",
+        r#"{"model":"m","token_ids":[1,2,3,4,5,6,7,8]}"#,
+    ),
+    (
+        "POST",
+        "/query_by_hash",
+        r#"{"model":"m","block_hashes":[1,2]}"#,
+    ),
+    (
+        "POST",
+        "/explain",
+        r#"{"path":"/v1/completions","body":{"model":"m","prompt":[1,2,3,4]}}"#,
+    ),
+];
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kv-epp-auth-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Writes a token file the way a Secret volume updates: a new file renamed over the old one.
+fn write_token(path: &Path, token: &str) {
+    let next = path.with_extension("next");
+    std::fs::write(&next, token).unwrap();
+    std::fs::rename(&next, path).unwrap();
+}
+
+/// One static worker of model `m`, every port ephemeral; `server` adds `server` keys and `rest`
+/// whole sections.
+fn config(bind: &str, server: &str, rest: &str) -> Config {
+    let yaml = format!(
+        "server: {{bind_address: '{bind}', grpc_port: 0, grpc_health_port: 0, metrics_port: 0, admin_port: 0{server}}}\n\
+         events: {{engine: none}}\nengine_metrics: {{interval_ms: 0}}\n\
+         models: [{{name: m, block_size: 4}}]\nworkers: [{{endpoint: '127.0.0.1:1', model: m}}]\n{rest}"
+    );
+    let c = Config::from_yaml(&yaml).unwrap();
+    c.validate().unwrap();
+    c
+}
+
+async fn call(server: &Server, route: (&str, &str, &str), token: Option<&str>) -> HttpResponse {
+    let (method, path, body) = route;
+    let auth = token.map(|t| format!("Bearer {t}"));
+    let mut headers = vec![("content-type", "application/json")];
+    if let Some(a) = &auth {
+        headers.push(("authorization", a));
+    }
+    let port = server.admin_addr.port();
+    http(("127.0.0.1", port), method, path, &headers, body.as_bytes())
+        .await
+        .unwrap()
+}
+
+async fn scrape(server: &Server, authorization: Option<&str>) -> HttpResponse {
+    let headers: Vec<(&str, &str)> = authorization
+        .map(|a| vec![("authorization", a)])
+        .unwrap_or_default();
+    let port = server.metrics_addr.port();
+    http(("127.0.0.1", port), "GET", "/metrics", &headers, b"")
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_admin_route_but_liveness_needs_the_token() {
+    let token = temp_dir("routes").join("admin-token");
+    write_token(&token, "s3cret-admin-token\n");
+    let extra = format!(", admin_token_file: '{}'", token.display());
+    let server = Server::start(&config("0.0.0.0", &extra, "")).await.unwrap();
+    assert_eq!(
+        server.admin_addr.ip(),
+        "0.0.0.0".parse::<IpAddr>().unwrap(),
+        "with a token the admin API listens on bind_address"
+    );
+    for route in ROUTES {
+        let r = call(&server, route, None).await;
+        assert_eq!(r.status, 401, "{route:?} without a token: {}", r.text());
+        let challenge = r.header("www-authenticate").unwrap_or_default();
+        assert!(challenge.starts_with("Bearer "), "{challenge}");
+        assert!(r.text().contains("missing bearer token"), "{}", r.text());
+        let r = call(&server, route, Some("s3cret-admin-tokem")).await;
+        assert_eq!(r.status, 401, "{route:?} with a wrong token");
+        let challenge = r.header("www-authenticate").unwrap_or_default();
+        assert!(challenge.contains("error=\"invalid_token\""), "{challenge}");
+        assert!(
+            !r.text().contains("s3cret"),
+            "the answer never echoes a token"
+        );
+        let r = call(&server, route, Some("s3cret-admin-token")).await;
+        assert_eq!(r.status, 200, "{route:?} with the token: {}", r.text());
+    }
+    // Not a bearer credential, and a path that does not exist: refused before routing.
+    let port = server.admin_addr.port();
+    let basic = [("authorization", "Basic YWRtaW46YWRtaW4=")];
+    let r = http(("127.0.0.1", port), "GET", "/workers", &basic, b"")
+        .await
+        .unwrap();
+    assert_eq!(r.status, 401);
+    assert_eq!(call(&server, ("GET", "/nope", ""), None).await.status, 401);
+    let r = call(&server, ("GET", "/nope", ""), Some("s3cret-admin-token")).await;
+    assert_eq!(r.status, 404);
+    // Liveness answers anyone.
+    let r = call(&server, ("GET", "/healthz", ""), None).await;
+    assert_eq!((r.status, r.text().as_str()), (200, "ok"));
+    // Refusals are counted by reason.
+    let m = scrape(&server, None).await.text();
+    let count = |reason: &str| {
+        metric(
+            &m,
+            &format!("kv_epp_admin_unauthenticated_total{{reason=\"{reason}\"}}"),
+        )
+    };
+    assert_eq!(count("missing"), 7.0, "{m}");
+    assert_eq!(count("invalid_token"), 6.0, "{m}");
+    assert_eq!(count("malformed"), 1.0, "{m}");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_token_the_admin_api_listens_on_loopback_only() {
+    let server = Server::start(&config("0.0.0.0", "", "")).await.unwrap();
+    assert_eq!(
+        server.admin_addr.ip(),
+        "127.0.0.1".parse::<IpAddr>().unwrap()
+    );
+    assert_eq!(
+        server.grpc_addr.ip(),
+        "0.0.0.0".parse::<IpAddr>().unwrap(),
+        "the other listeners keep bind_address"
+    );
+    assert_eq!(server.metrics_addr.ip(), server.grpc_addr.ip());
+    for route in ROUTES {
+        let r = call(&server, route, None).await;
+        assert_eq!(r.status, 200, "{route:?} is open on loopback: {}", r.text());
+    }
+    server.stop().await;
+    // The same for IPv6, where the host has it.
+    if std::net::TcpListener::bind("[::1]:0").is_ok() {
+        let server = Server::start(&config("::", "", "")).await.unwrap();
+        assert_eq!(server.admin_addr.ip(), "::1".parse::<IpAddr>().unwrap());
+        server.stop().await;
+    } else {
+        eprintln!("no IPv6 loopback here: the :: case is covered by the unit test only");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_admin_token_is_used_without_a_restart() {
+    let token = temp_dir("rotate").join("admin-token");
+    write_token(&token, "first-token");
+    let extra = format!(", admin_token_file: '{}'", token.display());
+    let server = Server::start(&config("127.0.0.1", &extra, ""))
+        .await
+        .unwrap();
+    let workers = ROUTES[0];
+    assert_eq!(
+        call(&server, workers, Some("first-token")).await.status,
+        200
+    );
+    write_token(&token, "second-token");
+    assert_eq!(
+        call(&server, workers, Some("second-token")).await.status,
+        200
+    );
+    assert_eq!(
+        call(&server, workers, Some("first-token")).await.status,
+        401,
+        "the old token stops working"
+    );
+    // A Secret being rewritten: an empty file keeps the last good token.
+    write_token(&token, "");
+    assert_eq!(
+        call(&server, workers, Some("second-token")).await.status,
+        200
+    );
+    write_token(&token, "third-token\n");
+    assert_eq!(
+        call(&server, workers, Some("third-token")).await.status,
+        200
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_or_missing_token_file_stops_start_up_naming_the_field() {
+    let dir = temp_dir("empty");
+    let empty = dir.join("empty-token");
+    std::fs::write(&empty, "\n").unwrap();
+    let missing = dir.join("no-such-token");
+    for (key, path, extra) in [
+        ("admin_token_file", &empty, ""),
+        ("admin_token_file", &missing, ""),
+        ("metrics_token_file", &empty, ", metrics_auth: true"),
+    ] {
+        let server = format!(", {key}: '{}'{extra}", path.display());
+        let e = match Server::start(&config("127.0.0.1", &server, "")).await {
+            Ok(_) => panic!("{key} {} was accepted", path.display()),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains(&format!("server.{key}")), "{e}");
+        assert!(e.contains(&path.display().to_string()), "{e}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_need_the_static_token_when_metrics_auth_is_on() {
+    let token = temp_dir("metrics").join("metrics-token");
+    write_token(&token, "scrape-me");
+    let extra = format!(
+        ", metrics_auth: true, metrics_token_file: '{}'",
+        token.display()
+    );
+    let server = Server::start(&config("127.0.0.1", &extra, ""))
+        .await
+        .unwrap();
+    let r = scrape(&server, None).await;
+    assert_eq!(r.status, 401);
+    assert!(
+        r.header("www-authenticate")
+            .is_some_and(|c| c.starts_with("Bearer "))
+    );
+    assert_eq!(scrape(&server, Some("Bearer scrape-mf")).await.status, 401);
+    let r = scrape(&server, Some("Bearer scrape-me")).await;
+    assert_eq!(r.status, 200);
+    let m = r.text();
+    assert!(m.contains("kv_epp_decision_seconds_count 0"), "{m}");
+    let refused = |reason: &str| {
+        metric(
+            &m,
+            &format!("kv_epp_metrics_unauthenticated_total{{reason=\"{reason}\"}}"),
+        )
+    };
+    assert_eq!((refused("missing"), refused("invalid_token")), (1.0, 1.0));
+    // The admin API has no token here: open, on loopback.
+    assert_eq!(call(&server, ROUTES[0], None).await.status, 200);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_tokens_are_reviewed_by_kubernetes_and_cached() {
+    let fake = FakeKube::start().await;
+    let kubeconfig = fake.kubeconfig(&temp_dir("review"));
+    let prometheus = "system:serviceaccount:monitoring:prometheus";
+    fake.allow_token("prometheus-token", prometheus);
+    fake.grant(prometheus, "/metrics");
+    fake.allow_token("other-token", "system:serviceaccount:ai:other");
+    let rest = format!("pool: {{kubeconfig: '{}'}}\n", kubeconfig.display());
+    let server = Server::start(&config("127.0.0.1", ", metrics_auth: true", &rest))
+        .await
+        .unwrap();
+    assert_eq!(scrape(&server, None).await.status, 401);
+    assert_eq!(fake.token_reviews(), 0, "no token, nothing to review");
+    let r = scrape(&server, Some("Bearer stolen-token")).await;
+    assert_eq!(r.status, 401, "TokenReview: not authenticated");
+    let r = scrape(&server, Some("Bearer other-token")).await;
+    assert_eq!(r.status, 403, "authenticated, but may not get /metrics");
+    assert_eq!(fake.token_reviews(), 2);
+    let r = scrape(&server, Some("Bearer prometheus-token")).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(fake.token_reviews(), 3);
+    // Allowed tokens are cached: the next scrapes cost no review.
+    for _ in 0..3 {
+        let r = scrape(&server, Some("Bearer prometheus-token")).await;
+        assert_eq!(r.status, 200);
+    }
+    assert_eq!(fake.token_reviews(), 3);
+    // The API fails: 503 for a token it has not vouched for yet, the cached one still passes.
+    fake.fail_reviews(true);
+    let r = scrape(&server, Some("Bearer other-token")).await;
+    assert_eq!(r.status, 503, "{}", r.text());
+    let r = scrape(&server, Some("Bearer prometheus-token")).await;
+    assert_eq!(r.status, 200);
+    let m = r.text();
+    let refused = |reason: &str| {
+        metric(
+            &m,
+            &format!("kv_epp_metrics_unauthenticated_total{{reason=\"{reason}\"}}"),
+        )
+    };
+    assert_eq!(
+        [
+            refused("missing"),
+            refused("invalid_token"),
+            refused("forbidden"),
+            refused("unavailable")
+        ],
+        [1.0, 1.0, 1.0, 1.0],
+        "{m}"
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_auth_without_a_token_file_or_kubernetes_stops_start_up() {
+    let rest = "pool: {kubeconfig: /nonexistent/kubeconfig}\n";
+    let e = match Server::start(&config("127.0.0.1", ", metrics_auth: true", rest)).await {
+        Ok(_) => panic!("metrics auth without any way to check tokens was accepted"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("server.metrics_auth"), "{e}");
+    assert!(e.contains("server.metrics_token_file"), "{e}");
+}

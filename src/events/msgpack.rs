@@ -79,6 +79,7 @@ impl<'a> Reader<'a> {
         self.buf.len() - self.pos
     }
 
+    #[inline]
     fn take(&mut self, n: u64) -> Result<&'a [u8], Malformed> {
         let left = self.left();
         let n = usize::try_from(n)
@@ -90,6 +91,7 @@ impl<'a> Reader<'a> {
         Ok(out)
     }
 
+    #[inline(always)]
     fn be<const N: usize>(&mut self) -> Result<[u8; N], Malformed> {
         let mut out = [0; N];
         out.copy_from_slice(self.take(N as u64)?);
@@ -123,6 +125,7 @@ impl<'a> Reader<'a> {
 
     /// Reads the head of the next value. An array's or map's elements are not read: the caller
     /// reads (or skips) exactly that many values (twice as many for a map) next.
+    #[inline]
     pub(crate) fn head(&mut self) -> Result<Head<'a>, Malformed> {
         let [byte] = self.be()?;
         Ok(match Marker::from_u8(byte) {
@@ -204,14 +207,33 @@ impl<'a> Reader<'a> {
     /// itself, if a container, is at depth 1). Recursion is bounded by `depth`; time by the
     /// bytes skipped.
     pub(crate) fn skip(&mut self, depth: usize) -> Result<(), Malformed> {
-        let elements = match self.head()? {
+        let head = self.head()?;
+        self.skip_elements(head, depth)
+    }
+
+    /// Skips the elements of a container whose head was just read (nothing for a scalar).
+    pub(crate) fn skip_elements(&mut self, head: Head<'a>, depth: usize) -> Result<(), Malformed> {
+        let elements = match head {
             Head::Array(n) => u64::from(n),
             Head::Map(n) => 2 * u64::from(n),
             _ => return Ok(()),
         };
         let inner = depth.checked_sub(1).ok_or(Malformed::TooDeep)?;
         for _ in 0..elements {
-            self.skip(inner)?;
+            // Values of a size known from their marker alone are stepped over; only containers
+            // recurse.
+            let size = self
+                .buf
+                .get(self.pos)
+                .map_or(0, |&m| FIXED_SIZE[usize::from(m)]);
+            if size > 0 {
+                self.take(u64::from(size))?;
+                continue;
+            }
+            let head = self.head()?;
+            if matches!(head, Head::Array(_) | Head::Map(_)) {
+                self.skip_elements(head, inner)?;
+            }
         }
         Ok(())
     }
@@ -224,7 +246,153 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// The encoded size of a value, marker included, for the markers that alone determine it; 0 for
+/// the others (containers, length-prefixed strings, binaries and extensions, the reserved byte).
+const FIXED_SIZE: [u8; 256] = {
+    let mut size = [0u8; 256];
+    let mut m = 0;
+    while m < 256 {
+        size[m] = match Marker::from_u8(m as u8) {
+            Marker::FixPos(_) | Marker::FixNeg(_) | Marker::Null | Marker::False | Marker::True => {
+                1
+            }
+            Marker::U8 | Marker::I8 => 2,
+            Marker::U16 | Marker::I16 => 3,
+            Marker::U32 | Marker::I32 | Marker::F32 => 5,
+            Marker::U64 | Marker::I64 | Marker::F64 => 9,
+            Marker::FixStr(n) => 1 + n,
+            Marker::FixExt1 => 3,
+            Marker::FixExt2 => 4,
+            Marker::FixExt4 => 6,
+            Marker::FixExt8 => 10,
+            Marker::FixExt16 => 18,
+            _ => 0,
+        };
+        m += 1;
+    }
+    size
+};
+
 /// A signed integer: non-negative values read as [`Head::Uint`] whatever their marker.
 fn int(i: i64) -> Head<'static> {
     u64::try_from(i).map_or(Head::Neg(i), Head::Uint)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fixed_sizes_agree_with_the_reader() {
+        for m in 0..=255u8 {
+            let mut buf = vec![m];
+            buf.resize(64, 0);
+            let mut rd = Reader::new(&buf);
+            let head = rd.head();
+            let size = FIXED_SIZE[usize::from(m)];
+            if size > 0 {
+                assert!(head.is_ok(), "{m:#04x}");
+                assert_eq!(rd.pos, usize::from(size), "{m:#04x}");
+            } else {
+                // Only containers, length-prefixed values and the reserved byte vary.
+                assert!(
+                    matches!(
+                        Marker::from_u8(m),
+                        Marker::FixArray(_)
+                            | Marker::Array16
+                            | Marker::Array32
+                            | Marker::FixMap(_)
+                            | Marker::Map16
+                            | Marker::Map32
+                            | Marker::Str8
+                            | Marker::Str16
+                            | Marker::Str32
+                            | Marker::Bin8
+                            | Marker::Bin16
+                            | Marker::Bin32
+                            | Marker::Ext8
+                            | Marker::Ext16
+                            | Marker::Ext32
+                            | Marker::Reserved
+                    ),
+                    "{m:#04x}: {head:?} has a fixed size"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn integers_read_by_sign_not_marker() {
+        fn head(b: &[u8]) -> Head<'_> {
+            Reader::new(b).head().unwrap()
+        }
+        assert_eq!(head(b"\xd0\x05"), Head::Uint(5));
+        assert_eq!(head(b"\xd0\xfb"), Head::Neg(-5));
+        assert_eq!(head(b"\xff"), Head::Neg(-1));
+        assert_eq!(
+            head(b"\xcf\xff\xff\xff\xff\xff\xff\xff\xff"),
+            Head::Uint(u64::MAX)
+        );
+        assert_eq!(
+            head(b"\xd3\x80\0\0\0\0\0\0\0"),
+            Head::Neg(i64::MIN),
+            "i64::MIN"
+        );
+    }
+
+    #[test]
+    fn counts_are_checked_against_the_bytes_left() {
+        fn head(b: &[u8]) -> Result<Head<'_>, Malformed> {
+            Reader::new(b).head()
+        }
+        assert_eq!(head(b"\x92\xc0\xc0"), Ok(Head::Array(2)));
+        assert_eq!(
+            head(b"\x92\xc0"),
+            Err(Malformed::Claim {
+                claimed: 2,
+                left: 1
+            })
+        );
+        // A map's keys and values both count.
+        assert_eq!(
+            head(b"\x81\xc0"),
+            Err(Malformed::Claim {
+                claimed: 2,
+                left: 1
+            })
+        );
+        assert_eq!(
+            head(b"\xdd\xff\xff\xff\xff\xc0"),
+            Err(Malformed::Claim {
+                claimed: u64::from(u32::MAX),
+                left: 1
+            })
+        );
+        assert_eq!(
+            head(b"\xdb\xff\xff\xff\xff\xc0"),
+            Err(Malformed::Truncated {
+                need: u64::from(u32::MAX),
+                left: 1
+            })
+        );
+        assert_eq!(head(b"\xc1"), Err(Malformed::Reserved));
+        assert!(head(b"").is_err());
+    }
+
+    #[test]
+    fn skip_stops_at_the_depth_limit() {
+        let nested = |depth: usize| {
+            let mut b = vec![0x91; depth];
+            b.push(0xc0);
+            b
+        };
+        for depth in 0..=4 {
+            let bytes = nested(depth);
+            let mut rd = Reader::new(&bytes);
+            assert_eq!(rd.value(4), Ok(&bytes[..]), "depth {depth}");
+        }
+        assert_eq!(Reader::new(&nested(5)).skip(4), Err(Malformed::TooDeep));
+        // Scalars need no depth at all.
+        assert_eq!(Reader::new(b"\x01").skip(0), Ok(()));
+    }
 }

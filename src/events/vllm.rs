@@ -176,10 +176,10 @@ impl Iterator for Events<'_> {
 
     fn next(&mut self) -> Option<Self::Item> {
         self.left = self.left.checked_sub(1)?;
-        Some(match self.rd.value(MAX_DEPTH) {
-            Ok(bytes) => decode_event(bytes),
+        Some(match split_event(&mut self.rd) {
+            Ok((tag, fields)) => decode_event(tag, &fields),
             Err(e) => {
-                // Unreachable after `decode_batch`'s structural pass; stop rather than guess.
+                // Unreachable after `decode_batch` validated the frame; stop rather than guess.
                 self.left = 0;
                 Err(e.into())
             }
@@ -233,16 +233,18 @@ impl From<Malformed> for DecodeError {
 
 /// Decodes the header of one payload frame and returns its events, to be decoded one at a time.
 ///
-/// Cost: one pass over the frame that allocates nothing (validating it whole, so a truncated or
-/// hostile frame is one `Err` before any event is applied) and a skip of the events array to
-/// reach the rank; each event is then decoded when taken, allocating only its own fields.
+/// Cost: one pass over the frame that allocates nothing: it validates the frame whole (so a
+/// truncated or hostile frame is one `Err` before any event is applied) and reaches the rank,
+/// which follows the events. Each event is then decoded when taken, allocating only its own
+/// fields.
 ///
-/// Errors: [`DecodeError::NotMsgpack`] if the frame is not one well-formed msgpack value nested
-/// at most `MAX_DEPTH` deep; [`DecodeError::NotBatch`] if it is not `[ts, [event...], rank?]`;
+/// Errors: [`DecodeError::NotMsgpack`] if the frame is not well-formed msgpack nested at most
+/// `MAX_DEPTH` deep; [`DecodeError::NotBatch`] if it is not `[ts, [event...], rank?]`;
 /// [`DecodeError::TooMany`] if it has more than `MAX_EVENTS_PER_BATCH` events.
 pub fn decode_batch(payload: &[u8]) -> Result<Batch<'_>, DecodeError> {
-    Reader::new(payload).skip(MAX_DEPTH)?;
     let mut rd = Reader::new(payload);
+    // The batch is depth 1, so its items may nest MAX_DEPTH - 1 deep, and each event
+    // MAX_DEPTH - 2.
     let items = match rd.head()? {
         Head::Array(n) if n >= 2 => n,
         _ => return Err(DecodeError::NotBatch),
@@ -262,12 +264,17 @@ pub fn decode_batch(payload: &[u8]) -> Result<Batch<'_>, DecodeError> {
         left: count,
     };
     for _ in 0..count {
-        rd.skip(MAX_DEPTH)?;
+        rd.skip(MAX_DEPTH - 2)?;
     }
-    let dp_rank = match (items > 2).then(|| rd.head()).transpose()? {
-        Some(Head::Uint(r)) => u32::try_from(r).ok(),
-        _ => None,
-    };
+    let mut dp_rank = None;
+    for i in 2..items {
+        let item = rd.value(MAX_DEPTH - 1)?;
+        if i == 2
+            && let Ok((Head::Uint(r), _)) = head_of(item)
+        {
+            dp_rank = u32::try_from(r).ok();
+        }
+    }
     Ok(Batch {
         ts,
         dp_rank,
@@ -324,16 +331,18 @@ impl<'a> Fields<'a> {
 /// msgpack's `nil`.
 const NIL: u8 = 0xc0;
 
-/// Splits one encoded event into its tag (encoded) and fields, reading nothing else.
-fn fields(bytes: &[u8]) -> Result<(Option<&[u8]>, Fields<'_>), DecodeError> {
-    let mut rd = Reader::new(bytes);
+/// Reads one event (the reader ends after it, whatever it holds): its encoded tag, if it is a
+/// container that can have one, and the encoded values of the fields we read.
+fn split_event<'a>(rd: &mut Reader<'a>) -> Result<(Option<&'a [u8]>, Fields<'a>), Malformed> {
     match rd.head()? {
-        Head::Array(0) => Err(DecodeError::NoTag),
-        Head::Array(n) => {
+        Head::Array(n) if n > 0 => {
             let tag = rd.value(MAX_DEPTH)?;
             let mut by_pos = [None; POSITIONS];
-            for slot in by_pos.iter_mut().take(n as usize - 1) {
-                *slot = Some(rd.value(MAX_DEPTH)?);
+            for i in 1..n as usize {
+                let v = rd.value(MAX_DEPTH)?;
+                if let Some(slot) = by_pos.get_mut(i - 1) {
+                    *slot = Some(v);
+                }
             }
             Ok((Some(tag), Fields::Array(by_pos)))
         }
@@ -352,7 +361,10 @@ fn fields(bytes: &[u8]) -> Result<(Option<&[u8]>, Fields<'_>), DecodeError> {
             }
             Ok((tag, Fields::Map(by_name)))
         }
-        _ => Err(DecodeError::NoTag),
+        head => {
+            rd.skip_elements(head, MAX_DEPTH)?;
+            Ok((None, Fields::Array([None; POSITIONS])))
+        }
     }
 }
 
@@ -370,10 +382,10 @@ fn head_of(v: &[u8]) -> Result<(Head<'_>, Reader<'_>), DecodeError> {
     Ok((rd.head()?, rd))
 }
 
-fn decode_event(bytes: &[u8]) -> Result<Event, DecodeError> {
-    let (tag, fields) = fields(bytes)?;
+/// Decodes one event from its parts (see [`split_event`]).
+fn decode_event(tag: Option<&[u8]>, fields: &Fields<'_>) -> Result<Event, DecodeError> {
     match tag.and_then(str_of).ok_or(DecodeError::NoTag)? {
-        "BlockStored" => stored(&fields).map(Event::Stored),
+        "BlockStored" => stored(fields).map(Event::Stored),
         "BlockRemoved" => {
             let e = "BlockRemoved";
             Ok(Event::Removed {

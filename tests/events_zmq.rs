@@ -551,6 +551,10 @@ async fn malformed_frames_leave_the_subscriber_running_and_the_index_unchanged()
             tokio::task::yield_now().await;
         }
     }
+    // More events than one batch may carry (65,536): dropped whole, before any is decoded.
+    engine
+        .publish_raw(encode_batch(vec![Value::Nil; 65_537], None), false)
+        .await;
     // Frames with the wrong number of parts.
     let mut m = ZmqMessage::from(Bytes::new());
     m.push_back(Bytes::from_static(b"short-seq"));
@@ -591,6 +595,7 @@ async fn malformed_frames_leave_the_subscriber_running_and_the_index_unchanged()
         "malformed events inside good batches: {text}"
     );
     assert!(dropped("malformed_frame") >= 800.0, "{text}");
+    assert_eq!(dropped("oversize_batch"), 1.0, "{text}");
     let applied = metric(
         &text,
         &format!("kv_epp_event_events_total{{worker=\"{w}\",outcome=\"applied\"}}"),

@@ -2,13 +2,17 @@
 //! one feed per worker (endpoint and data-parallel rank), started and stopped as workers come and
 //! go.
 //!
-//! - `vllm.rs`: decoding vLLM's msgpack batches (both layouts, both hash forms) into the
-//!   engine-neutral [`EngineEvent`](kv_epp_core::engine_event::EngineEvent).
+//! - `vllm.rs`: decoding vLLM's msgpack batches (both layouts, both hash forms), one event at a
+//!   time with capped counts, into the engine-neutral
+//!   [`EngineEvent`](kv_epp_core::engine_event::EngineEvent).
+//! - `msgpack.rs`: the allocation-free msgpack reader under it (lengths checked against the
+//!   bytes left, nesting limited).
 //! - `subscriber.rs`: the ZeroMQ SUB/DEALER feed with sequence tracking and replay.
 //! - `trtllm.rs`: TensorRT-LLM's destructive HTTP drain, polled, into the same form.
 //!
 //! Every event reaches the index through the core's one writer, `engine_event::apply`.
 
+mod msgpack;
 pub mod subscriber;
 pub mod trtllm;
 pub mod vllm;

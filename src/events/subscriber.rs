@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use super::vllm::{Neutral, decode_batch};
+use super::vllm::{DecodeError, Neutral, decode_batch};
 use super::zmtp::{self, Limits, SocketType, ZmtpError};
 use kv_epp_core::engine_event::{self, ApplyError, EventCounters};
 use kv_epp_core::index::KvIndex;
@@ -83,7 +83,8 @@ pub enum Dropped {
     WrongRank = 1,
     /// A batch over the events-per-batch cap.
     OversizeBatch = 2,
-    /// An event that could not be decoded (a field of the wrong shape, over a cap) or written.
+    /// An event that could not be decoded (a field of the wrong shape, more block hashes, token
+    /// ids or extra keys than the decoder's caps) or written.
     MalformedEvent = 3,
     /// An event whose block size is not the model's.
     BlockSizeMismatch = 4,
@@ -397,6 +398,10 @@ impl Feed {
         let st = &self.status;
         let batch = match decode_batch(payload) {
             Ok(b) => b,
+            Err(e @ DecodeError::TooMany { .. }) => {
+                self.dropped(Dropped::OversizeBatch, &e);
+                return;
+            }
             Err(e) => {
                 self.dropped(Dropped::MalformedFrame, &e);
                 return;

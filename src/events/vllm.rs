@@ -1082,21 +1082,17 @@ mod tests {
 
     /// Any msgpack value, with strings biased towards the names the decoder looks for.
     fn any_value() -> impl Strategy<Value = Value> {
-        let name = prop::sample::select(vec![
+        let names: Vec<&str> = [
             "type",
             "BlockStored",
             "BlockRemoved",
             "AllBlocksCleared",
-            "block_hashes",
-            "parent_block_hash",
-            "token_ids",
-            "block_size",
-            "medium",
-            "lora_name",
-            "extra_keys",
-            "group_idx",
             "kvepp:t",
-        ]);
+        ]
+        .into_iter()
+        .chain(KEYS)
+        .collect();
+        let name = prop::sample::select(names);
         let leaf = prop_oneof![
             Just(Value::Nil),
             any::<bool>().prop_map(Value::from),

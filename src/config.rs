@@ -644,6 +644,11 @@ impl Config {
                     p.snapshot_chunk_blocks, p.max_message_bytes
                 ));
             }
+            if p.token_file.is_none() && !p.insecure_allow_anonymous {
+                return bad(
+                    "peers: replication is on (peers.static_peers, peers.dns or peers.service is set) but peers.token_file (--peer-token-file) is not, so the peer API would serve the whole index to anyone who reaches peers.port; set peers.token_file to a file holding a shared token, or set peers.insecure_allow_anonymous: true to run it unauthenticated on purpose".into(),
+                );
+            }
             for (i, a) in p.static_peers.iter().chain(p.dns.iter()).enumerate() {
                 if a.rsplit_once(':')
                     .and_then(|(_, port)| port.parse::<u16>().ok())
@@ -793,6 +798,31 @@ mod tests {
         c.validate().unwrap();
         assert!(c.salt.required);
         assert!(Config::from_yaml("salt: {sources: [cookie]}").is_err());
+    }
+
+    #[test]
+    fn peers_are_never_anonymous_by_accident() {
+        let c = Config::from_yaml("peers: {static_peers: ['10.0.0.5:9004']}").unwrap();
+        let e = c.validate().unwrap_err().to_string();
+        for field in [
+            "peers.token_file",
+            "--peer-token-file",
+            "peers.insecure_allow_anonymous",
+        ] {
+            assert!(e.contains(field), "{field} in {e}");
+        }
+        Config::from_yaml(
+            "peers: {static_peers: ['10.0.0.5:9004'], insecure_allow_anonymous: true}",
+        )
+        .unwrap()
+        .validate()
+        .unwrap();
+        Config::from_yaml("peers: {static_peers: ['10.0.0.5:9004'], token_file: /t}")
+            .unwrap()
+            .validate()
+            .unwrap();
+        // No peers, no replication: nothing to authenticate.
+        Config::from_yaml("{}").unwrap().validate().unwrap();
     }
 
     #[test]

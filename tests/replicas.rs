@@ -1,8 +1,8 @@
 //! Replicas as separate `kv-epp serve` processes on loopback, with real sockets throughout:
 //! simulated vLLM workers publish over ZeroMQ to every replica; replicas find each other from a
 //! static list, authenticate with a shared token, bootstrap from a peer, and relay TensorRT-LLM
-//! drains. Checked from outside: `/debug/digest`, `/query` against what each worker really holds,
-//! `/debug/replica`, and ext_proc decisions.
+//! drains; without a token they refuse to start. Checked from outside: `/debug/digest`, `/query`
+//! against what each worker really holds, `/debug/replica`, and ext_proc decisions.
 
 mod common;
 
@@ -537,6 +537,41 @@ async fn the_peer_api_refuses_a_wrong_token() {
         .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
     assert!(client.hello(req).await.unwrap().into_inner().ready);
     assert!(r.counter("unauthenticated").await >= 2);
+}
+
+/// With peers and no token, `kv-epp serve` stops at start-up and says which fields to set;
+/// the explicit switch lets it run unauthenticated.
+#[test]
+fn replication_without_a_token_refuses_to_start() {
+    let d = dir();
+    let serve = |yaml: &str| {
+        let config = d.join("anonymous.yaml");
+        std::fs::write(&config, yaml).unwrap();
+        Command::new(env!("CARGO_BIN_EXE_kv-epp"))
+            .args(["serve", "--validate-only", "--config-file"])
+            .arg(&config)
+            .output()
+            .unwrap()
+    };
+    let base = "server: {bind_address: 127.0.0.1, grpc_port: 0, grpc_health_port: 0, metrics_port: 0, admin_port: 0}\n";
+    let out = serve(&format!("{base}peers: {{static_peers: ['127.0.0.1:9']}}\n"));
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    for field in [
+        "peers.token_file",
+        "--peer-token-file",
+        "peers.insecure_allow_anonymous",
+    ] {
+        assert!(err.contains(field), "the error names {field}: {err}");
+    }
+    let out = serve(&format!(
+        "{base}peers: {{static_peers: ['127.0.0.1:9'], insecure_allow_anonymous: true}}\n"
+    ));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// A TensorRT-LLM-style engine: `POST /kv_cache_events` returns every queued event and forgets

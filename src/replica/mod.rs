@@ -55,9 +55,13 @@ pub struct PeersConfig {
     pub dns: Option<String>,
     /// The peer API port (`--peer-port`).
     pub port: u16,
-    /// File holding the shared token peers present (`--peer-token-file`); without one the peer
-    /// API is unauthenticated (a warning is logged).
+    /// File holding the shared token peers present (`--peer-token-file`). Required when
+    /// replication is on, unless `insecure_allow_anonymous` is set.
     pub token_file: Option<PathBuf>,
+    /// Run the peer API without a token: anyone who reaches `port` can read the whole index
+    /// (every tenant's prefixes) and feed relayed events. Off by default; start-up is refused
+    /// without a token unless this is set.
+    pub insecure_allow_anonymous: bool,
     /// How long a starting replica waits for a ready peer to bootstrap from before it starts
     /// with an empty index.
     pub bootstrap_timeout_ms: u64,
@@ -81,6 +85,7 @@ impl Default for PeersConfig {
             dns: None,
             port: 9004,
             token_file: None,
+            insecure_allow_anonymous: false,
             bootstrap_timeout_ms: 30_000,
             probe_interval_ms: 300,
             max_message_bytes: 4 << 20,
@@ -180,7 +185,7 @@ impl ReplicaState {
             ),
             None => {
                 tracing::warn!(
-                    "no peer token configured: the peer API accepts unauthenticated calls"
+                    "no peer token configured (peers.insecure_allow_anonymous): the peer API accepts unauthenticated calls"
                 );
                 None
             }

@@ -15,12 +15,6 @@ use std::time::{Duration, Instant};
 
 use common::http;
 use common::sim::{SimSpec, fwd, send, sim_worker, truth};
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
-use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-use envoy_types::pb::envoy::service::ext_proc::v3::{
-    HttpBody, HttpHeaders, ProcessingRequest, ProtocolConfiguration, processing_request::Request,
-    processing_response::Response,
-};
 use kv_epp_sim::server::SimWorker;
 use kv_epp_sim::workload::{GeneratorSpec, generate};
 use serde_json::{Value, json};
@@ -308,67 +302,10 @@ async fn matches_workers(
 
 /// The destination kv-epp's ext_proc picks for a completion request (BUFFERED body).
 async fn decision(r: &Replica, tokens: &[u32], tenant: &str) -> String {
-    let mut client = ExternalProcessorClient::connect(format!("http://{}", r.grpc))
+    let channel = common::extproc::plain_channel(r.grpc).await;
+    common::extproc::destination(channel, tokens, tenant)
         .await
-        .unwrap();
-    let header = |k: &str, v: &str| HeaderValue {
-        key: k.into(),
-        value: String::new(),
-        raw_value: v.as_bytes().to_vec(),
-    };
-    let body = json!({"model": "m", "prompt": tokens, "max_tokens": 1}).to_string();
-    let msgs = vec![
-        ProcessingRequest {
-            protocol_config: Some(ProtocolConfiguration {
-                request_body_mode: 2,
-                response_body_mode: 0,
-                ..Default::default()
-            }),
-            request: Some(Request::RequestHeaders(HttpHeaders {
-                headers: Some(HeaderMap {
-                    headers: vec![
-                        header(":method", "POST"),
-                        header(":path", "/v1/completions"),
-                        header("content-type", "application/json"),
-                        header("x-tenant-id", tenant),
-                    ],
-                }),
-                end_of_stream: false,
-                ..Default::default()
-            })),
-            ..Default::default()
-        },
-        ProcessingRequest {
-            request: Some(Request::RequestBody(HttpBody {
-                body: body.into_bytes(),
-                end_of_stream: true,
-                ..Default::default()
-            })),
-            ..Default::default()
-        },
-    ];
-    let mut stream = client
-        .process(tokio_stream::iter(msgs))
-        .await
-        .unwrap()
-        .into_inner();
-    while let Some(resp) = stream.message().await.unwrap() {
-        let common = match &resp.response {
-            Some(Response::RequestHeaders(h)) => h.response.clone(),
-            Some(Response::RequestBody(b)) => b.response.clone(),
-            Some(other) => panic!("unexpected response {other:?}"),
-            None => None,
-        };
-        if let Some(hm) = common.and_then(|c| c.header_mutation) {
-            for h in hm.set_headers {
-                let hv = h.header.unwrap();
-                if hv.key == "x-gateway-destination-endpoint" {
-                    return String::from_utf8(hv.raw_value).unwrap();
-                }
-            }
-        }
-    }
-    panic!("no decision from {}", r.name)
+        .unwrap_or_else(|| panic!("no decision from {}", r.name))
 }
 
 fn workers_yaml(workers: &[(&SimWorker, String)]) -> String {

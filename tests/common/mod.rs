@@ -3,6 +3,7 @@
 //! in-process kv-epp servers on ephemeral ports.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod extproc;
 pub mod sim;
 pub mod tokenizer_cases;
 

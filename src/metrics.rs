@@ -51,6 +51,12 @@ pub struct Metrics {
     pub replica_snapshot_bytes: Counter,
     /// Peer API calls refused for a missing or wrong token.
     pub replica_unauthenticated: Counter,
+    /// TLS material re-read from disk, by listener (`ext_proc`, `peer`) and outcome
+    /// (`reloaded`, `failed`: the previous certificate stays).
+    pub tls_reloads: Family<Labels, Counter>,
+    /// TLS handshakes refused or timed out, by listener (e.g. a client without an accepted
+    /// certificate).
+    pub tls_handshake_failures: Family<Labels, Counter>,
 }
 
 impl Default for Metrics {
@@ -159,8 +165,22 @@ impl Metrics {
             "Peer API calls refused for a missing or wrong token",
             replica_unauthenticated.clone(),
         );
+        let tls_reloads = Family::<Labels, Counter>::default();
+        registry.register(
+            "tls_reloads",
+            "TLS certificates, keys and CAs re-read after they changed on disk, by listener and outcome",
+            tls_reloads.clone(),
+        );
+        let tls_handshake_failures = Family::<Labels, Counter>::default();
+        registry.register(
+            "tls_handshake_failures",
+            "TLS handshakes refused or timed out, by listener",
+            tls_handshake_failures.clone(),
+        );
         Metrics {
             registry,
+            tls_reloads,
+            tls_handshake_failures,
             replica_ready,
             replica_peers,
             replica_relay_batches,

@@ -1,8 +1,9 @@
 //! Replicas as separate `kv-epp serve` processes on loopback, with real sockets throughout:
 //! simulated vLLM workers publish over ZeroMQ to every replica; replicas find each other from a
-//! static list, authenticate with a shared token, bootstrap from a peer, and relay TensorRT-LLM
-//! drains; without a token they refuse to start. Checked from outside: `/debug/digest`, `/query`
-//! against what each worker really holds, `/debug/replica`, and ext_proc decisions.
+//! static list, authenticate with a shared token (and mutual TLS), bootstrap from a peer, and
+//! relay TensorRT-LLM drains; without a token they refuse to start. Checked from outside:
+//! `/debug/digest`, `/query` against what each worker really holds, `/debug/replica`, and
+//! ext_proc decisions.
 
 mod common;
 
@@ -121,6 +122,11 @@ fn dir() -> PathBuf {
 
 impl Replica {
     fn spawn(name: &str, p: &Ports, body: &str, peers: &[u16]) -> Replica {
+        Replica::spawn_with(name, p, body, peers, "")
+    }
+
+    /// As `spawn`, with `peers_extra` (`, key: value` pairs) added to the `peers` section.
+    fn spawn_with(name: &str, p: &Ports, body: &str, peers: &[u16], peers_extra: &str) -> Replica {
         let d = dir();
         let token = d.join("token");
         std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
@@ -128,7 +134,7 @@ impl Replica {
         let yaml = format!(
             "server: {{bind_address: 127.0.0.1, grpc_port: {}, grpc_health_port: {}, metrics_port: {}, admin_port: {}}}\n\
              engine_metrics: {{interval_ms: 0}}\n\
-             peers: {{static_peers: [{}], port: {}, token_file: '{}', probe_interval_ms: 200, bootstrap_timeout_ms: 30000, snapshot_chunk_blocks: 64}}\n\
+             peers: {{static_peers: [{}], port: {}, token_file: '{}', probe_interval_ms: 200, bootstrap_timeout_ms: 30000, snapshot_chunk_blocks: 64{peers_extra}}}\n\
              models: [{{name: m, block_size: {BS}}}]\n{body}",
             p.grpc,
             p.health,
@@ -474,6 +480,74 @@ async fn the_peer_api_refuses_a_wrong_token() {
         .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
     assert!(client.hello(req).await.unwrap().into_inner().ready);
     assert!(r.counter("unauthenticated").await >= 2);
+}
+
+/// Replicas that speak mutual TLS on the peer API, each with its own certificate from the
+/// peers' CA: the second copies the first one's index over TLS. A client without a
+/// certificate, or with one from another CA, does not get past the handshake, and plaintext gets
+/// no answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_bootstrap_over_mutual_tls() {
+    use common::certs::{TestCa, client_config, handshake};
+    let ca = TestCa::new("kv-epp peers");
+    let tls_dir = || {
+        let d = dir().join("peer-tls");
+        ca.leaf(&["kv-epp-peers"]).write_to(&d);
+        std::fs::write(d.join("ca.crt"), ca.pem()).unwrap();
+        format!(", cert_path: '{}', server_name: kv-epp-peers", d.display())
+    };
+    let w = sim(0.0, 21).await;
+    let body = workers_yaml(&[(&w, w.events.events_endpoint.clone())]);
+    let ps = [ports(), ports()];
+    let peer_ports: Vec<u16> = ps.iter().map(|p| p.peer).collect();
+    let a = Replica::spawn_with("tls-a", &ps[0], &body, &peer_ports, &tls_dir());
+    a.wait_ready(30).await;
+    let tokens: Vec<u32> = (0..128).collect();
+    send(&w, &tokens, "tenant-tls").await;
+    converge(&[&a], 8, 30).await;
+
+    let b = Replica::spawn_with("tls-b", &ps[1], &body, &peer_ports, &tls_dir());
+    b.wait_ready(30).await;
+    assert!(
+        b.counter("blocks_restored").await > 0,
+        "b copied a's index over mutual TLS:\n{}",
+        b.log_tail()
+    );
+    converge(&[&a, &b], 8, 30).await;
+    assert_eq!(b.counter("unauthenticated").await, 0);
+
+    // From outside: only a certificate from the peers' CA gets through the handshake.
+    let trusting = |id| client_config(&[&ca.pem()], id);
+    let ours = ca.leaf(&["someone"]);
+    let presented = handshake(a.peer, "kv-epp-peers", trusting(Some(&ours)))
+        .await
+        .unwrap();
+    assert!(!presented.is_empty());
+    let e = handshake(a.peer, "kv-epp-peers", trusting(None))
+        .await
+        .unwrap_err();
+    assert!(
+        e.contains("CertificateRequired"),
+        "no client certificate: {e}"
+    );
+    let stranger = TestCa::new("another CA").leaf(&["kv-epp-peers"]);
+    let e = handshake(a.peer, "kv-epp-peers", trusting(Some(&stranger)))
+        .await
+        .unwrap_err();
+    assert!(
+        e.contains("UnknownCA"),
+        "a certificate from another CA: {e}"
+    );
+    let plain = tonic::transport::Channel::from_shared(format!("http://{}", a.peer))
+        .unwrap()
+        .connect_lazy();
+    let mut req = tonic::Request::new(kv_epp::replica::pb::HelloRequest {});
+    req.metadata_mut()
+        .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
+    let hello = kv_epp::replica::pb::replica_client::ReplicaClient::new(plain)
+        .hello(req)
+        .await;
+    assert!(hello.is_err(), "plaintext is not answered: {hello:?}");
 }
 
 /// With peers and no token, `kv-epp serve` stops at start-up and says which fields to set;

@@ -122,6 +122,7 @@ async fn replica(
         Arc::new(Feeds::default()),
         cfg,
         Some("bench-token".into()),
+        None,
         Readiness::default(),
     )
     .expect("replica");

@@ -178,7 +178,16 @@ pub struct ServerConfig {
     /// Serve TLS on the ext_proc port.
     pub secure_serving: bool,
     /// Directory with `tls.crt` and `tls.key`; a self-signed certificate is generated when unset.
+    /// The files are re-read when they change.
     pub cert_path: Option<PathBuf>,
+    /// PEM file of the CA(s) whose client certificates the ext_proc port accepts: with it, a
+    /// client that presents no certificate signed by one of them is refused in the handshake
+    /// (mutual TLS). Needs `secure_serving`; re-read when it changes.
+    pub client_ca_path: Option<PathBuf>,
+    /// With `secure_serving` and no `cert_path`: the directory that keeps the self-signed
+    /// certificate (`tls.crt`, `tls.key`), generated once when absent and reused at every later
+    /// start so a gateway can pin it. Unset: a new certificate in memory at each start.
+    pub self_signed_cert_dir: Option<PathBuf>,
 }
 
 impl Default for ServerConfig {
@@ -194,6 +203,8 @@ impl Default for ServerConfig {
             metrics_token_file: None,
             secure_serving: false,
             cert_path: None,
+            client_ca_path: None,
+            self_signed_cert_dir: None,
         }
     }
 }
@@ -484,6 +495,33 @@ impl Config {
         !self.pool.name.is_empty() && self.workers.is_empty()
     }
 
+    /// The namespace of kv-epp's own peer Service: `pool.namespace`, else `default`.
+    pub(crate) fn peers_namespace(&self) -> &str {
+        if self.pool.namespace.is_empty() {
+            "default"
+        } else {
+            &self.pool.namespace
+        }
+    }
+
+    /// The name peers' certificates must be valid for: `peers.server_name`, else the peer
+    /// Service's cluster name, else the host of `peers.dns`.
+    pub(crate) fn peer_server_name(&self) -> Option<String> {
+        let p = &self.peers;
+        if let Some(n) = &p.server_name {
+            return Some(n.clone());
+        }
+        if let Some(svc) = &p.service {
+            return Some(format!("{svc}.{}.svc", self.peers_namespace()));
+        }
+        let (host, _) = p.dns.as_deref()?.rsplit_once(':')?;
+        Some(
+            host.trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_owned(),
+        )
+    }
+
     /// Where a worker publishes KV events (`None` when events are off).
     pub(crate) fn feed_endpoints(
         &self,
@@ -620,6 +658,21 @@ impl Config {
         if s.cert_path.is_some() && !s.secure_serving {
             return bad("server.cert_path is set but server.secure_serving is false".into());
         }
+        if s.client_ca_path.is_some() && !s.secure_serving {
+            return bad("server.client_ca_path is set but server.secure_serving is false".into());
+        }
+        if s.self_signed_cert_dir.is_some() {
+            if !s.secure_serving {
+                return bad(
+                    "server.self_signed_cert_dir is set but server.secure_serving is false".into(),
+                );
+            }
+            if s.cert_path.is_some() {
+                return bad(
+                    "set server.cert_path or server.self_signed_cert_dir, not both (the first serves a mounted certificate, the second keeps a generated one)".into(),
+                );
+            }
+        }
         if self.events.max_message_bytes < 64 << 10 {
             return bad("events.max_message_bytes must be at least 65536".into());
         }
@@ -650,6 +703,21 @@ impl Config {
                     "peers.snapshot_chunk_blocks ({}) does not fit in peers.max_message_bytes ({})",
                     p.snapshot_chunk_blocks, p.max_message_bytes
                 ));
+            }
+            if p.token_file.is_none() && !p.insecure_allow_anonymous {
+                return bad(
+                    "peers: replication is on (peers.static_peers, peers.dns or peers.service is set) but peers.token_file (--peer-token-file) is not, so the peer API would serve the whole index to anyone who reaches peers.port; set peers.token_file to a file holding a shared token, or set peers.insecure_allow_anonymous: true to run it unauthenticated on purpose".into(),
+                );
+            }
+            if p.cert_path.is_some() {
+                let Some(name) = self.peer_server_name() else {
+                    return bad(
+                        "peers.server_name is required with peers.cert_path when peers come from peers.static_peers alone: the name the peers' certificates are issued for (they are dialled by IP)".into(),
+                    );
+                };
+                if let Err(e) = crate::tls::server_name(&name) {
+                    return bad(format!("peers.server_name: {e}"));
+                }
             }
             for (i, a) in p.static_peers.iter().chain(p.dns.iter()).enumerate() {
                 if a.rsplit_once(':')
@@ -800,6 +868,84 @@ mod tests {
         c.validate().unwrap();
         assert!(c.salt.required);
         assert!(Config::from_yaml("salt: {sources: [cookie]}").is_err());
+    }
+
+    #[test]
+    fn tls_settings_need_tls_and_do_not_contradict() {
+        let err = |yaml: &str| {
+            Config::from_yaml(yaml)
+                .unwrap()
+                .validate()
+                .unwrap_err()
+                .to_string()
+        };
+        let e = err("server: {client_ca_path: /ca.crt}");
+        assert!(
+            e.contains("server.client_ca_path") && e.contains("secure_serving"),
+            "{e}"
+        );
+        let e = err("server: {self_signed_cert_dir: /d}");
+        assert!(e.contains("server.self_signed_cert_dir"), "{e}");
+        let e = err("server: {secure_serving: true, cert_path: /c, self_signed_cert_dir: /d}");
+        assert!(e.contains("not both"), "{e}");
+        Config::from_yaml("server: {secure_serving: true, cert_path: /c, client_ca_path: /ca.crt}")
+            .unwrap()
+            .validate()
+            .unwrap();
+    }
+
+    #[test]
+    fn peers_are_never_anonymous_by_accident() {
+        let c = Config::from_yaml("peers: {static_peers: ['10.0.0.5:9004']}").unwrap();
+        let e = c.validate().unwrap_err().to_string();
+        for field in [
+            "peers.token_file",
+            "--peer-token-file",
+            "peers.insecure_allow_anonymous",
+        ] {
+            assert!(e.contains(field), "{field} in {e}");
+        }
+        Config::from_yaml(
+            "peers: {static_peers: ['10.0.0.5:9004'], insecure_allow_anonymous: true}",
+        )
+        .unwrap()
+        .validate()
+        .unwrap();
+        Config::from_yaml("peers: {static_peers: ['10.0.0.5:9004'], token_file: /t}")
+            .unwrap()
+            .validate()
+            .unwrap();
+        // No peers, no replication: nothing to authenticate.
+        Config::from_yaml("{}").unwrap().validate().unwrap();
+    }
+
+    #[test]
+    fn peer_certificates_are_checked_against_a_name() {
+        let c = Config::from_yaml(
+            "pool: {namespace: ai}\npeers: {service: kv-epp-peers, token_file: /t, cert_path: /p}",
+        )
+        .unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.peer_server_name().as_deref(), Some("kv-epp-peers.ai.svc"));
+        let c =
+            Config::from_yaml("peers: {dns: 'peers.example:9004', token_file: /t, cert_path: /p}")
+                .unwrap();
+        assert_eq!(c.peer_server_name().as_deref(), Some("peers.example"));
+        let c = Config::from_yaml(
+            "peers: {static_peers: ['10.0.0.5:9004'], token_file: /t, cert_path: /p}",
+        )
+        .unwrap();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("peers.server_name is required"), "{e}");
+        let c = Config::from_yaml(
+            "peers: {static_peers: ['10.0.0.5:9004'], token_file: /t, cert_path: /p, server_name: 'not a name'}",
+        )
+        .unwrap();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("peers.server_name") && e.contains("not a name"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -20,4 +20,5 @@ pub mod readiness;
 pub mod replica;
 pub mod request;
 pub mod server;
+pub(crate) mod tls;
 pub mod workers;

@@ -56,6 +56,12 @@ pub struct Metrics {
     /// Metrics scrapes refused, by reason (`missing`, `malformed`, `invalid_token`,
     /// `forbidden`, `unavailable`).
     pub metrics_unauthenticated: Family<Labels, Counter>,
+    /// TLS material re-read from disk, by listener (`ext_proc`, `peer`) and outcome
+    /// (`reloaded`, `failed`: the previous certificate stays).
+    pub tls_reloads: Family<Labels, Counter>,
+    /// TLS handshakes refused or timed out, by listener (e.g. a client without an accepted
+    /// certificate).
+    pub tls_handshake_failures: Family<Labels, Counter>,
 }
 
 impl Default for Metrics {
@@ -176,10 +182,24 @@ impl Metrics {
             "Metrics scrapes refused (no, malformed or invalid bearer token; forbidden; token review unavailable), by reason",
             metrics_unauthenticated.clone(),
         );
+        let tls_reloads = Family::<Labels, Counter>::default();
+        registry.register(
+            "tls_reloads",
+            "TLS certificates, keys and CAs re-read after they changed on disk, by listener and outcome",
+            tls_reloads.clone(),
+        );
+        let tls_handshake_failures = Family::<Labels, Counter>::default();
+        registry.register(
+            "tls_handshake_failures",
+            "TLS handshakes refused or timed out, by listener",
+            tls_handshake_failures.clone(),
+        );
         Metrics {
             registry,
             admin_unauthenticated,
             metrics_unauthenticated,
+            tls_reloads,
+            tls_handshake_failures,
             replica_ready,
             replica_peers,
             replica_relay_batches,

@@ -2,6 +2,7 @@
 //! metrics, admin, peers), wires them to one [`Picker`], and runs until shut down. Tests start it
 //! in-process on ephemeral ports and reach the picker directly.
 
+use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 
@@ -9,8 +10,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::Ex
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tonic::transport::Server as GrpcServer;
 use tonic::transport::server::TcpIncoming;
-use tonic::transport::{Identity, Server as GrpcServer, ServerTlsConfig};
 use tonic_health::ServingStatus;
 
 use crate::auth::{Guard, Listener, Reviews, TokenFile, Verifier};
@@ -22,7 +23,9 @@ use crate::extproc::stream::StreamOptions;
 use crate::membership::Membership;
 use crate::metrics::Metrics;
 use crate::readiness::Readiness;
-use crate::replica::ReplicaState;
+use crate::replica::{PeerTls, ReplicaState};
+use crate::tls::self_signed;
+use crate::tls::{Reloading, TlsError, TlsFiles};
 
 /// The gRPC health service names a gateway or the kubelet may ask for.
 pub(crate) const HEALTH_SERVICES: [&str; 4] = [
@@ -99,25 +102,50 @@ async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, Serve
         .map_err(|source| ServeError::Bind { what, addr, source })
 }
 
-fn tls_identity(config: &Config) -> Result<Identity, ServeError> {
-    match &config.server.cert_path {
-        Some(dir) => {
-            let read = |name: &str| {
-                std::fs::read(dir.join(name))
-                    .map_err(|e| ServeError::Tls(format!("{}: {e}", dir.join(name).display())))
-            };
-            Ok(Identity::from_pem(read("tls.crt")?, read("tls.key")?))
-        }
-        None => {
-            let names = vec!["localhost".to_owned(), "kv-epp".to_owned()];
-            let ck = rcgen::generate_simple_self_signed(names)
-                .map_err(|e| ServeError::Tls(format!("self-signed certificate: {e}")))?;
+/// The ext_proc port's TLS material: the mounted `cert_path`, else the self-signed pair kept in
+/// `self_signed_cert_dir`, else one generated in memory; plus the client CA when set.
+fn ext_proc_tls(config: &Config, metrics: &Metrics) -> Result<Arc<Reloading>, ServeError> {
+    let s = &config.server;
+    let tls = |e: TlsError| ServeError::Tls(e.to_string());
+    let mut files = match (&s.cert_path, &s.self_signed_cert_dir) {
+        (Some(dir), _) => TlsFiles::in_dir(dir, None),
+        (None, Some(dir)) => self_signed::persisted(dir).map_err(tls)?,
+        (None, None) => {
             tracing::info!("serving ext_proc over TLS with a generated self-signed certificate");
-            Ok(Identity::from_pem(
-                ck.cert.pem(),
-                ck.signing_key.serialize_pem(),
-            ))
+            self_signed::in_memory().map_err(tls)?
         }
+    };
+    files.ca = s.client_ca_path.clone();
+    if files.ca.is_some() {
+        tracing::info!("ext_proc requires client certificates (server.client_ca_path)");
+    }
+    Reloading::load("ext_proc", files, metrics).map_err(tls)
+}
+
+/// The peer API's mutual TLS (`peers.cert_path`), when configured.
+fn peer_tls(config: &Config, metrics: &Metrics) -> Result<Option<PeerTls>, ServeError> {
+    let Some(dir) = &config.peers.cert_path else {
+        return Ok(None);
+    };
+    let peers = |m: String| ServeError::Peers(m);
+    let name = config
+        .peer_server_name()
+        .ok_or_else(|| peers("peers.server_name is required with peers.cert_path".into()))?;
+    let name =
+        crate::tls::server_name(&name).map_err(|e| peers(format!("peers.server_name: {e}")))?;
+    let files = TlsFiles::in_dir(dir, Some(dir.join("ca.crt")));
+    let configs = Reloading::load("peer", files, metrics)
+        .map_err(|e| peers(format!("peers.cert_path: {e}")))?;
+    Ok(Some(PeerTls { configs, name }))
+}
+
+/// Runs a gRPC server until it stops, logging why if it failed.
+async fn log_stopped(
+    what: &'static str,
+    served: impl Future<Output = Result<(), tonic::transport::Error>>,
+) {
+    if let Err(e) = served.await {
+        tracing::error!(error = %e, "{what} server stopped");
     }
 }
 
@@ -132,6 +160,16 @@ impl Server {
                 .picker(metrics.clone())
                 .map_err(|e| ServeError::Tokenizer(e.to_string()))?,
         );
+        // TLS material first: a certificate that cannot be used stops start-up before any
+        // listener or task exists.
+        let grpc_tls = match config.server.secure_serving {
+            true => Some(ext_proc_tls(config, &metrics)?),
+            false => None,
+        };
+        let peer_tls = match config.peers.enabled() {
+            true => peer_tls(config, &metrics)?,
+            false => None,
+        };
         let ip = config.server.bind_address;
         let (admin_guard, metrics_guard) = guards(config, &metrics).await?;
         let grpc = bind("ext_proc", SocketAddr::new(ip, config.server.grpc_port)).await?;
@@ -161,11 +199,7 @@ impl Server {
                 // replicas, so the name resolves to every replica).
                 let mut slices = None;
                 if let (Some(svc), None) = (&peers.service, &peers.dns) {
-                    let ns = if config.pool.namespace.is_empty() {
-                        "default"
-                    } else {
-                        config.pool.namespace.as_str()
-                    };
+                    let ns = config.peers_namespace();
                     match crate::discovery::client_for(config.pool.kubeconfig.as_deref()).await {
                         Ok(client) => {
                             slices = Some(
@@ -187,6 +221,7 @@ impl Server {
                     feeds.clone(),
                     peers,
                     token,
+                    peer_tls,
                     readiness.clone(),
                 )
                 .map_err(ServeError::Peers)?;
@@ -229,25 +264,26 @@ impl Server {
             opts,
         ))
         .max_decoding_message_size(config.routing.max_body_bytes.max(4 << 20) + (1 << 20));
-        let mut builder = GrpcServer::builder();
-        if config.server.secure_serving {
-            builder = builder
-                .tls_config(ServerTlsConfig::new().identity(tls_identity(config)?))
-                .map_err(|e| ServeError::Tls(e.to_string()))?;
-        }
-        let router_svc = builder.add_service(service);
+        let router_svc = GrpcServer::builder().add_service(service);
         let mut stop = rx.clone();
-        tasks.push(tokio::spawn(async move {
-            let done = async move {
-                let _ = stop.wait_for(|s| *s).await;
-            };
-            if let Err(e) = router_svc
-                .serve_with_incoming_shutdown(incoming(grpc), done)
-                .await
-            {
-                tracing::error!(error = %e, "ext_proc server stopped");
+        let done = async move {
+            let _ = stop.wait_for(|s| *s).await;
+        };
+        let ext_proc = match grpc_tls {
+            Some(tls) => {
+                tasks.push(tokio::spawn(crate::tls::watch(tls.clone(), rx.clone())));
+                let conns = crate::tls::accept::incoming(grpc, tls);
+                tokio::spawn(log_stopped(
+                    "ext_proc",
+                    router_svc.serve_with_incoming_shutdown(conns, done),
+                ))
             }
-        }));
+            None => tokio::spawn(log_stopped(
+                "ext_proc",
+                router_svc.serve_with_incoming_shutdown(incoming(grpc), done),
+            )),
+        };
+        tasks.push(ext_proc);
 
         let (reporter, health_svc) = tonic_health::server::health_reporter();
         for name in HEALTH_SERVICES {

@@ -739,7 +739,7 @@ async fn a_replica_finds_its_peer_through_endpoint_slices_and_bootstraps() {
     let peer_port = common::free_port();
     let rest = format!(
         "events: {{engine: vllm, zmq: {{port: {events_port}, replay_port: 0}}}}\n\
-         peers: {{service: kv-epp-peers, port: {peer_port}, probe_interval_ms: 100}}\n"
+         peers: {{service: kv-epp-peers, port: {peer_port}, probe_interval_ms: 100, insecure_allow_anonymous: true}}\n"
     );
     // Each replica has its own loopback address; both listen on the same peer port, as pods do.
     let slice = |b_ready: Option<bool>| {

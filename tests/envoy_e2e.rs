@@ -51,6 +51,16 @@ struct Rig {
 
 impl Rig {
     async fn start(shape: EnvoyShape, workers: usize, extra: &str) -> Option<Rig> {
+        Rig::start_edited(shape, workers, extra, |y| y).await
+    }
+
+    /// As `start`, with Envoy's rendered configuration passed through `edit` first.
+    async fn start_edited(
+        shape: EnvoyShape,
+        workers: usize,
+        extra: &str,
+        edit: impl FnOnce(String) -> String,
+    ) -> Option<Rig> {
         let bin = envoy_binary()?;
         let mut ups = Vec::new();
         for _ in 0..workers {
@@ -58,7 +68,9 @@ impl Rig {
         }
         let addrs: Vec<SocketAddr> = ups.iter().map(|u| u.addr).collect();
         let server = Server::start(&kv_epp_config(&addrs, extra)).await.unwrap();
-        let envoy = Envoy::start(&bin, shape, server.grpc_addr.port()).await;
+        let (port, admin) = (free_port(), free_port());
+        let cfg = edit(envoy_config(shape, port, server.grpc_addr.port(), admin));
+        let envoy = Envoy::run(&bin, port, admin, &cfg).await;
         Some(Rig { server, envoy, ups })
     }
 
@@ -89,10 +101,21 @@ impl Rig {
 #[test]
 fn shipped_envoy_configs_validate() {
     let Some(bin) = envoy_binary() else { return };
-    for file in ["envoy.yaml", "envoy-buffered.yaml"] {
-        let path = format!("{}/deploy/envoy/{file}", env!("CARGO_MANIFEST_DIR"));
+    let dir = std::env::temp_dir().join(format!("kv-epp-envoy-validate-{}", std::process::id()));
+    let certs = MtlsFiles::write(&dir);
+    for file in ["envoy.yaml", "envoy-buffered.yaml", "envoy-mtls.yaml"] {
+        let shipped = format!("{}/deploy/envoy/{file}", env!("CARGO_MANIFEST_DIR"));
+        // The mTLS example names certificate files Envoy reads while validating: point it at
+        // the test's own.
+        let text = std::fs::read_to_string(&shipped)
+            .unwrap()
+            .replace(ENVOY_MTLS_DIR, certs.envoy.to_str().unwrap());
+        let path = dir.join(file);
+        std::fs::write(&path, text).unwrap();
         let out = std::process::Command::new(&bin)
-            .args(["--mode", "validate", "-c", &path, "--use-dynamic-base-id"])
+            .args(["--mode", "validate", "-c"])
+            .arg(&path)
+            .arg("--use-dynamic-base-id")
             .output()
             .unwrap();
         assert!(
@@ -100,6 +123,53 @@ fn shipped_envoy_configs_validate() {
             "{file}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
+    }
+}
+
+/// envoy-mtls.yaml is envoy.yaml plus the TLS block on the kv-epp cluster, nothing else, so the
+/// two examples cannot drift apart.
+#[test]
+fn the_mtls_example_is_the_full_duplex_example_plus_tls() {
+    let read = |f: &str| {
+        std::fs::read_to_string(format!("{}/deploy/envoy/{f}", env!("CARGO_MANIFEST_DIR"))).unwrap()
+    };
+    let body = |s: String| s[s.find("static_resources:").unwrap()..].to_owned();
+    let mtls = body(read("envoy-mtls.yaml"));
+    let start = mtls.find("    # Mutual TLS to kv-epp").unwrap();
+    let end = mtls
+        .find("    load_assignment:\n      cluster_name: kv-epp")
+        .unwrap();
+    let tls = &mtls[start..end];
+    assert!(
+        tls.contains("tls_certificates") && tls.contains("trusted_ca"),
+        "{tls}"
+    );
+    assert_eq!(mtls.replace(tls, ""), body(read("envoy.yaml")));
+}
+
+/// The certificates of a mutual-TLS rig: kv-epp's (`kv-epp/`) and Envoy's (`envoy/`, with the CA
+/// that signed kv-epp's as `ca.crt`), and the client CA kv-epp checks Envoy's against.
+struct MtlsFiles {
+    kv_epp: std::path::PathBuf,
+    envoy: std::path::PathBuf,
+    client_ca: std::path::PathBuf,
+}
+
+impl MtlsFiles {
+    fn write(dir: &std::path::Path) -> MtlsFiles {
+        use common::certs::TestCa;
+        let server_ca = TestCa::new("kv-epp server CA");
+        let client_ca = TestCa::new("gateway client CA");
+        let f = MtlsFiles {
+            kv_epp: dir.join("kv-epp"),
+            envoy: dir.join("envoy"),
+            client_ca: dir.join("client-ca.crt"),
+        };
+        server_ca.leaf(&["kv-epp"]).write_to(&f.kv_epp);
+        client_ca.leaf(&["envoy"]).write_to(&f.envoy);
+        std::fs::write(f.envoy.join("ca.crt"), server_ca.pem()).unwrap();
+        std::fs::write(&f.client_ca, client_ca.pem()).unwrap();
+        f
     }
 }
 
@@ -215,6 +285,46 @@ async fn tls_on_the_ext_proc_port_with_a_generated_certificate() {
     assert_eq!(
         r.header("x-served-by"),
         Some(rig.ups[1].addr.to_string().as_str())
+    );
+}
+
+/// Envoy 1.40 with the shipped envoy-mtls.yaml presents its client certificate to a kv-epp that
+/// requires one (`client_ca_path`), checks kv-epp's certificate against its CA and name, and
+/// requests are routed to the worker kv-epp picks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_routes_through_kv_epp_over_mutual_tls() {
+    let dir = std::env::temp_dir().join(format!("kv-epp-envoy-mtls-{}", std::process::id()));
+    let certs = MtlsFiles::write(&dir);
+    let server = format!(
+        "server: {{bind_address: 127.0.0.1, grpc_port: 0, grpc_health_port: 0, metrics_port: 0, admin_port: 0, secure_serving: true, cert_path: '{}', client_ca_path: '{}'}}\nevents: {{engine: none}}\nengine_metrics: {{interval_ms: 0}}",
+        certs.kv_epp.display(),
+        certs.client_ca.display()
+    );
+    let envoy_dir = certs.envoy.to_str().unwrap().to_owned();
+    let Some(rig) = Rig::start_edited(EnvoyShape::FullDuplexMtls, 2, &server, |y| {
+        assert!(y.contains(ENVOY_MTLS_DIR));
+        y.replace(ENVOY_MTLS_DIR, &envoy_dir)
+    })
+    .await
+    else {
+        return;
+    };
+    let tokens: Vec<u32> = (300..332).collect();
+    seed(&rig.server, rig.ups[0].addr, &tokens, None);
+    for _ in 0..3 {
+        let r = rig.post(&[], &prompt_body(&tokens, "")).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(
+            r.header("x-served-by"),
+            Some(rig.ups[0].addr.to_string().as_str())
+        );
+    }
+    assert_eq!(rig.ups[1].count(), 0);
+    let m = rig.metrics().await;
+    assert_eq!(
+        metric(&m, "kv_epp_requests_total{model=\"m\",outcome=\"routed\"}"),
+        3.0,
+        "{m}"
     );
 }
 

@@ -1,8 +1,9 @@
 //! Replicas as separate `kv-epp serve` processes on loopback, with real sockets throughout:
 //! simulated vLLM workers publish over ZeroMQ to every replica; replicas find each other from a
-//! static list, authenticate with a shared token, bootstrap from a peer, and relay TensorRT-LLM
-//! drains. Checked from outside: `/debug/digest`, `/query` against what each worker really holds,
-//! `/debug/replica`, and ext_proc decisions.
+//! static list, authenticate with a shared token (and mutual TLS), bootstrap from a peer, and
+//! relay TensorRT-LLM drains; without a token they refuse to start. Checked from outside:
+//! `/debug/digest`, `/query` against what each worker really holds, `/debug/replica`, and
+//! ext_proc decisions.
 
 mod common;
 
@@ -15,12 +16,6 @@ use std::time::{Duration, Instant};
 
 use common::http;
 use common::sim::{SimSpec, fwd, send, sim_worker, truth};
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
-use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-use envoy_types::pb::envoy::service::ext_proc::v3::{
-    HttpBody, HttpHeaders, ProcessingRequest, ProtocolConfiguration, processing_request::Request,
-    processing_response::Response,
-};
 use kv_epp_sim::server::SimWorker;
 use kv_epp_sim::workload::{GeneratorSpec, generate};
 use serde_json::{Value, json};
@@ -127,6 +122,11 @@ fn dir() -> PathBuf {
 
 impl Replica {
     fn spawn(name: &str, p: &Ports, body: &str, peers: &[u16]) -> Replica {
+        Replica::spawn_with(name, p, body, peers, "")
+    }
+
+    /// As `spawn`, with `peers_extra` (`, key: value` pairs) added to the `peers` section.
+    fn spawn_with(name: &str, p: &Ports, body: &str, peers: &[u16], peers_extra: &str) -> Replica {
         let d = dir();
         let token = d.join("token");
         std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
@@ -134,7 +134,7 @@ impl Replica {
         let yaml = format!(
             "server: {{bind_address: 127.0.0.1, grpc_port: {}, grpc_health_port: {}, metrics_port: {}, admin_port: {}}}\n\
              engine_metrics: {{interval_ms: 0}}\n\
-             peers: {{static_peers: [{}], port: {}, token_file: '{}', probe_interval_ms: 200, bootstrap_timeout_ms: 30000, snapshot_chunk_blocks: 64}}\n\
+             peers: {{static_peers: [{}], port: {}, token_file: '{}', probe_interval_ms: 200, bootstrap_timeout_ms: 30000, snapshot_chunk_blocks: 64{peers_extra}}}\n\
              models: [{{name: m, block_size: {BS}}}]\n{body}",
             p.grpc,
             p.health,
@@ -308,67 +308,10 @@ async fn matches_workers(
 
 /// The destination kv-epp's ext_proc picks for a completion request (BUFFERED body).
 async fn decision(r: &Replica, tokens: &[u32], tenant: &str) -> String {
-    let mut client = ExternalProcessorClient::connect(format!("http://{}", r.grpc))
+    let channel = common::extproc::plain_channel(r.grpc).await;
+    common::extproc::destination(channel, tokens, tenant)
         .await
-        .unwrap();
-    let header = |k: &str, v: &str| HeaderValue {
-        key: k.into(),
-        value: String::new(),
-        raw_value: v.as_bytes().to_vec(),
-    };
-    let body = json!({"model": "m", "prompt": tokens, "max_tokens": 1}).to_string();
-    let msgs = vec![
-        ProcessingRequest {
-            protocol_config: Some(ProtocolConfiguration {
-                request_body_mode: 2,
-                response_body_mode: 0,
-                ..Default::default()
-            }),
-            request: Some(Request::RequestHeaders(HttpHeaders {
-                headers: Some(HeaderMap {
-                    headers: vec![
-                        header(":method", "POST"),
-                        header(":path", "/v1/completions"),
-                        header("content-type", "application/json"),
-                        header("x-tenant-id", tenant),
-                    ],
-                }),
-                end_of_stream: false,
-                ..Default::default()
-            })),
-            ..Default::default()
-        },
-        ProcessingRequest {
-            request: Some(Request::RequestBody(HttpBody {
-                body: body.into_bytes(),
-                end_of_stream: true,
-                ..Default::default()
-            })),
-            ..Default::default()
-        },
-    ];
-    let mut stream = client
-        .process(tokio_stream::iter(msgs))
-        .await
-        .unwrap()
-        .into_inner();
-    while let Some(resp) = stream.message().await.unwrap() {
-        let common = match &resp.response {
-            Some(Response::RequestHeaders(h)) => h.response.clone(),
-            Some(Response::RequestBody(b)) => b.response.clone(),
-            Some(other) => panic!("unexpected response {other:?}"),
-            None => None,
-        };
-        if let Some(hm) = common.and_then(|c| c.header_mutation) {
-            for h in hm.set_headers {
-                let hv = h.header.unwrap();
-                if hv.key == "x-gateway-destination-endpoint" {
-                    return String::from_utf8(hv.raw_value).unwrap();
-                }
-            }
-        }
-    }
-    panic!("no decision from {}", r.name)
+        .unwrap_or_else(|| panic!("no decision from {}", r.name))
 }
 
 fn workers_yaml(workers: &[(&SimWorker, String)]) -> String {
@@ -537,6 +480,109 @@ async fn the_peer_api_refuses_a_wrong_token() {
         .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
     assert!(client.hello(req).await.unwrap().into_inner().ready);
     assert!(r.counter("unauthenticated").await >= 2);
+}
+
+/// Replicas that speak mutual TLS on the peer API, each with its own certificate from the
+/// peers' CA: the second copies the first one's index over TLS. A client without a
+/// certificate, or with one from another CA, does not get past the handshake, and plaintext gets
+/// no answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_bootstrap_over_mutual_tls() {
+    use common::certs::{TestCa, client_config, handshake};
+    let ca = TestCa::new("kv-epp peers");
+    let tls_dir = || {
+        let d = dir().join("peer-tls");
+        ca.leaf(&["kv-epp-peers"]).write_to(&d);
+        std::fs::write(d.join("ca.crt"), ca.pem()).unwrap();
+        format!(", cert_path: '{}', server_name: kv-epp-peers", d.display())
+    };
+    let w = sim(0.0, 21).await;
+    let body = workers_yaml(&[(&w, w.events.events_endpoint.clone())]);
+    let ps = [ports(), ports()];
+    let peer_ports: Vec<u16> = ps.iter().map(|p| p.peer).collect();
+    let a = Replica::spawn_with("tls-a", &ps[0], &body, &peer_ports, &tls_dir());
+    a.wait_ready(30).await;
+    let tokens: Vec<u32> = (0..128).collect();
+    send(&w, &tokens, "tenant-tls").await;
+    converge(&[&a], 8, 30).await;
+
+    let b = Replica::spawn_with("tls-b", &ps[1], &body, &peer_ports, &tls_dir());
+    b.wait_ready(30).await;
+    assert!(
+        b.counter("blocks_restored").await > 0,
+        "b copied a's index over mutual TLS:\n{}",
+        b.log_tail()
+    );
+    converge(&[&a, &b], 8, 30).await;
+    assert_eq!(b.counter("unauthenticated").await, 0);
+
+    // From outside: only a certificate from the peers' CA gets through the handshake.
+    let trusting = |id| client_config(&[&ca.pem()], id);
+    let ours = ca.leaf(&["someone"]);
+    let presented = handshake(a.peer, "kv-epp-peers", trusting(Some(&ours)))
+        .await
+        .unwrap();
+    assert!(!presented.is_empty());
+    let e = handshake(a.peer, "kv-epp-peers", trusting(None))
+        .await
+        .unwrap_err();
+    assert!(
+        e.contains("CertificateRequired"),
+        "no client certificate: {e}"
+    );
+    let stranger = TestCa::new("another CA").leaf(&["kv-epp-peers"]);
+    let e = handshake(a.peer, "kv-epp-peers", trusting(Some(&stranger)))
+        .await
+        .unwrap_err();
+    assert!(
+        e.contains("UnknownCA"),
+        "a certificate from another CA: {e}"
+    );
+    let plain = tonic::transport::Channel::from_shared(format!("http://{}", a.peer))
+        .unwrap()
+        .connect_lazy();
+    let mut req = tonic::Request::new(kv_epp::replica::pb::HelloRequest {});
+    req.metadata_mut()
+        .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
+    let hello = kv_epp::replica::pb::replica_client::ReplicaClient::new(plain)
+        .hello(req)
+        .await;
+    assert!(hello.is_err(), "plaintext is not answered: {hello:?}");
+}
+
+/// With peers and no token, `kv-epp serve` stops at start-up and says which fields to set;
+/// the explicit switch lets it run unauthenticated.
+#[test]
+fn replication_without_a_token_refuses_to_start() {
+    let d = dir();
+    let serve = |yaml: &str| {
+        let config = d.join("anonymous.yaml");
+        std::fs::write(&config, yaml).unwrap();
+        Command::new(env!("CARGO_BIN_EXE_kv-epp"))
+            .args(["serve", "--validate-only", "--config-file"])
+            .arg(&config)
+            .output()
+            .unwrap()
+    };
+    let base = "server: {bind_address: 127.0.0.1, grpc_port: 0, grpc_health_port: 0, metrics_port: 0, admin_port: 0}\n";
+    let out = serve(&format!("{base}peers: {{static_peers: ['127.0.0.1:9']}}\n"));
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    for field in [
+        "peers.token_file",
+        "--peer-token-file",
+        "peers.insecure_allow_anonymous",
+    ] {
+        assert!(err.contains(field), "the error names {field}: {err}");
+    }
+    let out = serve(&format!(
+        "{base}peers: {{static_peers: ['127.0.0.1:9'], insecure_allow_anonymous: true}}\n"
+    ));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// A TensorRT-LLM-style engine: `POST /kv_cache_events` returns every queued event and forgets

@@ -33,6 +33,14 @@ pub(crate) struct ServeArgs {
     /// Directory holding tls.crt and tls.key.
     #[arg(long)]
     pub cert_path: Option<PathBuf>,
+    /// PEM file of the CAs whose client certificates the ext_proc port accepts: mutual TLS
+    /// (overrides server.client_ca_path).
+    #[arg(long)]
+    pub client_ca_path: Option<PathBuf>,
+    /// Keep the self-signed certificate in this directory and reuse it across restarts
+    /// (overrides server.self_signed_cert_dir).
+    #[arg(long)]
+    pub self_signed_cert_dir: Option<PathBuf>,
     /// Admin HTTP port: query API and worker status (overrides server.admin_port).
     #[arg(long)]
     pub admin_port: Option<u16>,
@@ -46,6 +54,10 @@ pub(crate) struct ServeArgs {
     /// File with the shared token replicas present to each other (overrides peers.token_file).
     #[arg(long)]
     pub peer_token_file: Option<PathBuf>,
+    /// Directory with tls.crt, tls.key and ca.crt: mutual TLS on the peer API (overrides
+    /// peers.cert_path).
+    #[arg(long)]
+    pub peer_cert_path: Option<PathBuf>,
     /// Check the configuration (file, flags, tokenizer files) and exit without serving.
     #[arg(long)]
     pub validate_only: bool,
@@ -82,6 +94,12 @@ pub(crate) fn effective_config(args: &ServeArgs) -> Result<Config, String> {
     if let Some(p) = &args.cert_path {
         s.cert_path = Some(p.clone());
     }
+    if let Some(p) = &args.client_ca_path {
+        s.client_ca_path = Some(p.clone());
+    }
+    if let Some(p) = &args.self_signed_cert_dir {
+        s.self_signed_cert_dir = Some(p.clone());
+    }
     if let Some(n) = &args.pool_name {
         c.pool.name = n.clone();
     }
@@ -93,6 +111,9 @@ pub(crate) fn effective_config(args: &ServeArgs) -> Result<Config, String> {
     }
     if let Some(p) = &args.peer_token_file {
         c.peers.token_file = Some(p.clone());
+    }
+    if let Some(p) = &args.peer_cert_path {
+        c.peers.cert_path = Some(p.clone());
     }
     c.validate().map_err(|e| e.to_string())?;
     if let Some(path) = &c.peers.token_file {

@@ -16,9 +16,9 @@ use parking_lot::Mutex;
 use tokio::sync::watch;
 use tonic::transport::{Channel, Endpoint};
 
-use super::PeersConfig;
 use super::ReplicaState;
 use super::pb;
+use super::{PeerTls, PeersConfig};
 use crate::discovery::ServiceEndpoints;
 use crate::metrics::Metrics;
 
@@ -51,11 +51,12 @@ pub struct Members {
     rounds: AtomicU64,
     stale_after: Duration,
     max_message: usize,
+    tls: Option<PeerTls>,
 }
 
 impl Members {
-    /// An empty table for this replica.
-    pub fn new(own: u64, config: &PeersConfig) -> Members {
+    /// An empty table for this replica; peers are dialled over `tls` when given.
+    pub fn new(own: u64, config: &PeersConfig, tls: Option<PeerTls>) -> Members {
         Members {
             own,
             static_peers: config.static_peers.clone(),
@@ -67,6 +68,7 @@ impl Members {
             rounds: AtomicU64::new(0),
             stale_after: Duration::from_millis(config.probe_interval_ms * 3),
             max_message: config.max_message_bytes,
+            tls,
         }
     }
 
@@ -127,13 +129,19 @@ impl Members {
             .lock()
             .entry(addr)
             .or_insert_with(|| {
-                Endpoint::from_shared(format!("http://{addr}"))
+                // http:// even with TLS: the connector below tonic does the handshake.
+                let endpoint = Endpoint::from_shared(format!("http://{addr}"))
                     .expect("a socket address makes a valid URI")
                     .connect_timeout(Duration::from_secs(1))
                     .tcp_nodelay(true)
                     .http2_keep_alive_interval(Duration::from_secs(5))
-                    .keep_alive_timeout(Duration::from_secs(5))
-                    .connect_lazy()
+                    .keep_alive_timeout(Duration::from_secs(5));
+                match &self.tls {
+                    Some(tls) => endpoint.connect_with_connector_lazy(
+                        crate::tls::connect::Connector::new(tls.configs.clone(), tls.name.clone()),
+                    ),
+                    None => endpoint.connect_lazy(),
+                }
             })
             .clone();
         pb::replica_client::ReplicaClient::new(channel)

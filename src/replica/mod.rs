@@ -9,7 +9,8 @@
 //!   replica, chosen by rendezvous hashing over the ready replicas; it relays the normalized
 //!   events to its peers ([`relay`]), which apply each batch once, in order.
 //! - Peers are found from a static list, DNS, or Kubernetes ([`members`]) and probed with
-//!   `Hello`; the API is token-authenticated and size-limited ([`service`]).
+//!   `Hello`; the API is token-authenticated and size-limited ([`service`]), and speaks mutual
+//!   TLS when `peers.cert_path` is set (`crate::tls`, on both the server and the client side).
 
 pub mod members;
 pub mod relay;
@@ -55,9 +56,23 @@ pub struct PeersConfig {
     pub dns: Option<String>,
     /// The peer API port (`--peer-port`).
     pub port: u16,
-    /// File holding the shared token peers present (`--peer-token-file`); without one the peer
-    /// API is unauthenticated (a warning is logged).
+    /// File holding the shared token peers present (`--peer-token-file`). Required when
+    /// replication is on, unless `insecure_allow_anonymous` is set.
     pub token_file: Option<PathBuf>,
+    /// Run the peer API without a token: anyone who reaches `port` can read the whole index
+    /// (every tenant's prefixes) and feed relayed events. Off by default; start-up is refused
+    /// without a token unless this is set.
+    pub insecure_allow_anonymous: bool,
+    /// Directory with `tls.crt`, `tls.key` and `ca.crt` (`--peer-cert-path`; the layout of a
+    /// cert-manager Secret). When set the peer API speaks mutual TLS: a replica accepts only
+    /// clients presenting a certificate `ca.crt` signed, and dials peers presenting its own
+    /// while checking theirs against `ca.crt` and `server_name`. The files are re-read when
+    /// they change.
+    pub cert_path: Option<PathBuf>,
+    /// The name peers' certificates must be valid for (replicas are dialled by IP). Default:
+    /// `<service>.<pool.namespace>.svc` with `service`, else the host of `dns`; required with
+    /// `cert_path` when peers come from `static_peers` alone.
+    pub server_name: Option<String>,
     /// How long a starting replica waits for a ready peer to bootstrap from before it starts
     /// with an empty index.
     pub bootstrap_timeout_ms: u64,
@@ -81,6 +96,9 @@ impl Default for PeersConfig {
             dns: None,
             port: 9004,
             token_file: None,
+            insecure_allow_anonymous: false,
+            cert_path: None,
+            server_name: None,
             bootstrap_timeout_ms: 30_000,
             probe_interval_ms: 300,
             max_message_bytes: 4 << 20,
@@ -96,6 +114,14 @@ impl PeersConfig {
     pub fn enabled(&self) -> bool {
         !self.static_peers.is_empty() || self.dns.is_some() || self.service.is_some()
     }
+}
+
+/// TLS on the peer API (`peers.cert_path`): the material, re-read when it changes, and the name
+/// peers' certificates must be valid for.
+#[derive(Clone, Debug)]
+pub struct PeerTls {
+    pub(crate) configs: Arc<crate::tls::Reloading>,
+    pub(crate) name: tokio_rustls::rustls::pki_types::ServerName<'static>,
 }
 
 /// Readiness condition name of the bootstrap.
@@ -142,6 +168,8 @@ pub struct ReplicaState {
     pub config: PeersConfig,
     /// `Bearer <token>`, when a token is configured.
     token: Option<MetadataValue<tonic::metadata::Ascii>>,
+    /// Mutual TLS on the peer API, server and client side, when configured.
+    pub(crate) tls: Option<PeerTls>,
     /// Known peers.
     pub members: Members,
     /// The relay of single-reader sources.
@@ -153,14 +181,16 @@ pub struct ReplicaState {
 }
 
 impl ReplicaState {
-    /// New replica state. `token`: the shared peer token, if any. Call before any feed starts:
-    /// it holds feeds back until the bootstrap and leaves single-reader sources to their owner.
+    /// New replica state. `token`: the shared peer token, if any; `tls`: mutual TLS for the peer
+    /// API and the peer client, if any. Call before any feed starts: it holds feeds back until
+    /// the bootstrap and leaves single-reader sources to their owner.
     pub fn new(
         workers: Arc<Workers>,
         metrics: Arc<Metrics>,
         feeds: Arc<Feeds>,
         config: PeersConfig,
         token: Option<String>,
+        tls: Option<PeerTls>,
         readiness: Readiness,
     ) -> Result<Arc<ReplicaState>, String> {
         let instance = loop {
@@ -180,7 +210,7 @@ impl ReplicaState {
             ),
             None => {
                 tracing::warn!(
-                    "no peer token configured: the peer API accepts unauthenticated calls"
+                    "no peer token configured (peers.insecure_allow_anonymous): the peer API accepts unauthenticated calls"
                 );
                 None
             }
@@ -204,9 +234,10 @@ impl ReplicaState {
             workers,
             metrics,
             feeds,
-            members: Members::new(instance, &config),
+            members: Members::new(instance, &config, tls.clone()),
             config,
             token,
+            tls,
             hub,
             counters,
             readiness,
@@ -257,20 +288,28 @@ pub(crate) fn rendezvous(instance: u64, worker: &WorkerId) -> u64 {
 }
 
 /// Starts replication: holds feeds back, serves the peer API on `listener`, probes peers,
-/// bootstraps, then relays and polls owned single-reader sources. Tasks end when `stop` fires.
+/// bootstraps, then relays and polls owned single-reader sources; re-reads the peer TLS files
+/// when they change. Tasks end when `stop` fires.
 pub fn start(
     state: Arc<ReplicaState>,
     listener: tokio::net::TcpListener,
     stop: tokio::sync::watch::Receiver<bool>,
 ) -> Vec<tokio::task::JoinHandle<()>> {
-    vec![
+    let mut tasks = vec![
         tokio::spawn(service::serve(state.clone(), listener, stop.clone())),
         tokio::spawn(until_stopped(
             members::probe_loop(state.clone()),
             stop.clone(),
         )),
-        tokio::spawn(until_stopped(run(state), stop)),
-    ]
+    ];
+    if let Some(tls) = &state.tls {
+        tasks.push(tokio::spawn(crate::tls::watch(
+            tls.configs.clone(),
+            stop.clone(),
+        )));
+    }
+    tasks.push(tokio::spawn(until_stopped(run(state), stop)));
+    tasks
 }
 
 async fn until_stopped(

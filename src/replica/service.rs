@@ -1,5 +1,6 @@
 //! The peer API server: `Hello`, `Snapshot`, `Relay`, behind the shared token and message size
-//! limits.
+//! limits, and behind mutual TLS when `peers.cert_path` is set (a client without a certificate
+//! from the peers' CA never gets past the handshake).
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -160,11 +161,19 @@ pub async fn serve(
     let done = async move {
         let _ = stop.wait_for(|s| *s).await;
     };
-    if let Err(e) = tonic::transport::Server::builder()
-        .add_service(svc)
-        .serve_with_incoming_shutdown(crate::server::incoming(listener), done)
-        .await
-    {
+    let router = tonic::transport::Server::builder().add_service(svc);
+    let served = match &state.tls {
+        Some(tls) => {
+            let conns = crate::tls::accept::incoming(listener, tls.configs.clone());
+            router.serve_with_incoming_shutdown(conns, done).await
+        }
+        None => {
+            router
+                .serve_with_incoming_shutdown(crate::server::incoming(listener), done)
+                .await
+        }
+    };
+    if let Err(e) = served {
         tracing::error!(error = %e, "peer API server stopped");
     }
 }

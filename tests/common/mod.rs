@@ -3,6 +3,8 @@
 //! in-process kv-epp servers on ephemeral ports.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod certs;
+pub mod extproc;
 pub mod sim;
 pub mod tokenizer_cases;
 
@@ -85,7 +87,13 @@ pub enum EnvoyShape {
     HeaderOnly,
     /// FULL_DUPLEX with TLS from Envoy to kv-epp (kv-epp's self-signed certificate).
     FullDuplexTls,
+    /// deploy/envoy/envoy-mtls.yaml as shipped: mutual TLS to kv-epp, certificates under
+    /// [`ENVOY_MTLS_DIR`].
+    FullDuplexMtls,
 }
+
+/// Where deploy/envoy/envoy-mtls.yaml reads Envoy's certificate, key and kv-epp's CA.
+pub const ENVOY_MTLS_DIR: &str = "/etc/envoy/kv-epp-tls";
 
 /// A running Envoy.
 pub struct Envoy {
@@ -99,6 +107,7 @@ pub fn envoy_config(shape: EnvoyShape, listen: u16, extproc: u16, admin: u16) ->
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("deploy/envoy");
     let file = match shape {
         EnvoyShape::Buffered => "envoy-buffered.yaml",
+        EnvoyShape::FullDuplexMtls => "envoy-mtls.yaml",
         _ => "envoy.yaml",
     };
     let mut y = std::fs::read_to_string(dir.join(file)).unwrap();

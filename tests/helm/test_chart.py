@@ -197,6 +197,7 @@ def test_args_follow_the_kv_epp_cli(chart):
         "--peer-port=9004",
         "--peer-token-file=/var/run/secrets/kv-epp/peer-auth/token",
         "--admin-token-file=/var/run/secrets/kv-epp/admin-auth/token",
+        "--peer-cert-path=/var/run/secrets/kv-epp/peer-tls",
         "--secure-serving",
     ]
 
@@ -426,7 +427,12 @@ def test_tokenizer_path_without_a_volume_is_refused(chart):
 def test_generated_secrets_are_mounted_as_files(chart):
     r = render(chart, BASE)
     secrets = {s["metadata"]["name"]: s for s in r.all("Secret")}
-    assert set(secrets) == {f"{FULLNAME}-peer-auth", f"{FULLNAME}-salt-key", f"{FULLNAME}-admin-auth"}
+    assert set(secrets) == {
+        f"{FULLNAME}-peer-auth",
+        f"{FULLNAME}-salt-key",
+        f"{FULLNAME}-admin-auth",
+        f"{FULLNAME}-peer-tls",
+    }
     assert list(secrets[f"{FULLNAME}-peer-auth"]["data"]) == ["token"]
     assert list(secrets[f"{FULLNAME}-salt-key"]["data"]) == ["fingerprint-key"]
     assert list(secrets[f"{FULLNAME}-admin-auth"]["data"]) == ["token"]
@@ -449,6 +455,7 @@ def test_existing_secrets_are_used_not_generated(chart):
                     "peerAuth": {"existingSecret": "kv-epp-peers", "key": "shared"},
                     "saltFingerprintKey": {"existingSecret": "kv-epp-salt", "key": "k"},
                     "admin": {"existingSecret": "kv-epp-admin", "key": "bearer"},
+                    "peerTLS": {"existingSecret": "kv-epp-peer-certs"},
                 }
             }
         ),
@@ -457,6 +464,7 @@ def test_existing_secrets_are_used_not_generated(chart):
     volumes = {v["name"]: v["secret"] for v in r.pod["volumes"] if "secret" in v}
     assert volumes["peer-auth"] == {"secretName": "kv-epp-peers", "items": [{"key": "shared", "path": "shared"}]}
     assert volumes["salt-key"]["secretName"] == "kv-epp-salt"
+    assert volumes["peer-tls"] == {"secretName": "kv-epp-peer-certs"}
     assert "--peer-token-file=/var/run/secrets/kv-epp/peer-auth/shared" in r.container["args"]
     assert r.config["salt"]["fingerprint_key_file"] == "/var/run/secrets/kv-epp/salt/k"
     assert volumes["admin-auth"] == {"secretName": "kv-epp-admin", "items": [{"key": "bearer", "path": "bearer"}]}
@@ -576,6 +584,114 @@ def test_self_signed_tls_mounts_no_certificate(chart):
     assert "--secure-serving" in r.container["args"]
     assert not any(a.startswith("--cert-path") for a in r.container["args"])
     assert "cert_path" not in r.config["server"]
+
+
+def test_client_ca_makes_the_ext_proc_port_mutual_tls(chart):
+    r = render(chart, merged({"inferenceExtension": {"tls": {"secretName": "picker-tls", "clientCA": {"secretName": "gateway-ca"}}}}))
+    path = "/var/run/secrets/kv-epp/client-ca/ca.crt"
+    assert f"--client-ca-path={path}" in r.container["args"]
+    assert r.config["server"]["client_ca_path"] == path
+    mount = next(m for m in r.container["volumeMounts"] if m["name"] == "client-ca")
+    assert mount == {"name": "client-ca", "mountPath": "/var/run/secrets/kv-epp/client-ca", "readOnly": True}
+    volume = next(v for v in r.pod["volumes"] if v["name"] == "client-ca")
+    assert volume["secret"] == {"secretName": "gateway-ca", "items": [{"key": "ca.crt", "path": "ca.crt"}]}
+    # A self-signed server certificate with client certificates required is fine too, with any key.
+    r = render(chart, merged({"inferenceExtension": {"tls": {"clientCA": {"secretName": "gateway-ca", "key": "bundle.pem"}}}}))
+    assert "--client-ca-path=/var/run/secrets/kv-epp/client-ca/bundle.pem" in r.container["args"]
+    # Without it, nothing is mounted and no client certificate is asked for.
+    plain = render(chart, BASE)
+    assert "client_ca_path" not in plain.config["server"]
+    assert "client-ca" not in {m["name"] for m in plain.container["volumeMounts"]}
+
+
+def peer_tls_secret(r: Rendered) -> dict[str, bytes]:
+    import base64
+
+    secret = r.one("Secret", f"{FULLNAME}-peer-tls")
+    assert secret["type"] == "kubernetes.io/tls"
+    return {k: base64.b64decode(v) for k, v in secret["data"].items()}
+
+
+def mutual_handshake(files: dict[str, bytes], server_name: str, tmp_path: Path) -> None:
+    """Two ends holding the same files (as two replicas do) complete a mutual TLS handshake in
+    memory (Python's ssl), the client checking the server's certificate against `server_name`."""
+    import ssl
+
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+
+    def context(side):
+        ctx = ssl.SSLContext(side)
+        ctx.load_cert_chain(tmp_path / "tls.crt", tmp_path / "tls.key")
+        ctx.load_verify_locations(tmp_path / "ca.crt")
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    client_ctx = context(ssl.PROTOCOL_TLS_CLIENT)
+    server_ctx = context(ssl.PROTOCOL_TLS_SERVER)
+    c_in, c_out, s_in, s_out = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
+    client = client_ctx.wrap_bio(c_in, c_out, server_hostname=server_name)
+    server = server_ctx.wrap_bio(s_in, s_out, server_side=True)
+    done = {"client": False, "server": False}
+    for _ in range(20):
+        for name, end in (("client", client), ("server", server)):
+            if not done[name]:
+                try:
+                    end.do_handshake()
+                    done[name] = True
+                except ssl.SSLWantReadError:
+                    pass
+        s_in.write(c_out.read())
+        c_in.write(s_out.read())
+        if all(done.values()):
+            break
+    assert all(done.values()), done
+    assert server.getpeercert()["subjectAltName"], "the server saw the client's certificate"
+
+
+def test_peer_tls_is_on_by_default_with_a_generated_certificate(chart, tmp_path):
+    r = render(chart, BASE)
+    assert "--peer-cert-path=/var/run/secrets/kv-epp/peer-tls" in r.container["args"]
+    mount = next(m for m in r.container["volumeMounts"] if m["name"] == "peer-tls")
+    assert mount == {"name": "peer-tls", "mountPath": "/var/run/secrets/kv-epp/peer-tls", "readOnly": True}
+    volume = next(v for v in r.pod["volumes"] if v["name"] == "peer-tls")
+    # The whole Secret (no items), so its three files are swapped together when it changes.
+    assert volume["secret"] == {"secretName": f"{FULLNAME}-peer-tls"}
+    files = peer_tls_secret(r)
+    assert set(files) == {"tls.crt", "tls.key", "ca.crt"}
+    # The name kv-epp checks under peers.service (`<service>.<pool namespace>.svc`).
+    assert r.config["peers"] == {"service": f"{FULLNAME}-peers"}
+    mutual_handshake(files, f"{FULLNAME}-peers.{NAMESPACE}.svc", tmp_path)
+    # Secret material never reaches the ConfigMap.
+    cm = r.one("ConfigMap")["data"]["config.yaml"]
+    assert "BEGIN" not in cm
+
+
+def test_peer_tls_from_cert_manager(chart):
+    values = {"inferenceExtension": {"peerTLS": {"certManager": {"enabled": True, "issuerRef": {"name": "kv-epp-ca", "kind": "ClusterIssuer"}}}}}
+    r = render(chart, merged(values))
+    cert = r.one("Certificate", f"{FULLNAME}-peer-tls")
+    assert cert["apiVersion"] == "cert-manager.io/v1"
+    spec = cert["spec"]
+    assert spec["secretName"] == f"{FULLNAME}-peer-tls"
+    assert f"{FULLNAME}-peers.{NAMESPACE}.svc" in spec["dnsNames"]
+    assert {"server auth", "client auth"} <= set(spec["usages"])
+    assert spec["issuerRef"] == {"name": "kv-epp-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
+    assert (spec["duration"], spec["renewBefore"]) == ("2160h", "360h")
+    assert spec["privateKey"]["rotationPolicy"] == "Always"
+    assert f"{FULLNAME}-peer-tls" not in {s["metadata"]["name"] for s in r.all("Secret")}
+    volume = next(v for v in r.pod["volumes"] if v["name"] == "peer-tls")
+    assert volume["secret"] == {"secretName": f"{FULLNAME}-peer-tls"}
+
+
+def test_peer_tls_off(chart):
+    r = render(chart, merged({"inferenceExtension": {"peerTLS": {"enabled": False}}}))
+    assert not any(a.startswith("--peer-cert-path") for a in r.container["args"])
+    assert "peer-tls" not in {v["name"] for v in r.pod["volumes"]}
+    assert r.all("Certificate") == []
+    assert f"{FULLNAME}-peer-tls" not in {s["metadata"]["name"] for s in r.all("Secret")}
+    # The token still authenticates replicas.
+    assert any(a.startswith("--peer-token-file=") for a in r.container["args"])
 
 
 # --- InferencePool and HTTPRoute -----------------------------------------------------------
@@ -739,6 +855,10 @@ def test_event_engine_follows_the_model_server(chart, server, engine, expected):
             "/inferenceExtension/networkPolicy/gateway/ipBlocks/0/cidr",
             "pattern",
         ),
+        ({"inferenceExtension": {"tls": {"clientCA": {"secret": "x"}}}}, "/inferenceExtension/tls/clientCA", "'secret' not allowed"),
+        ({"inferenceExtension": {"peerTLS": {"enabled": "yes"}}}, "/inferenceExtension/peerTLS/enabled", "want boolean"),
+        ({"inferenceExtension": {"peerTLS": {"certManager": {"issuerRef": {"kind": "Vault"}}}}}, "/inferenceExtension/peerTLS/certManager/issuerRef/kind", "Issuer"),
+        ({"inferenceExtension": {"peerTLS": {"certManager": {"duration": "90 days"}}}}, "/inferenceExtension/peerTLS/certManager/duration", "pattern"),
     ],
 )
 def test_schema_refuses_bad_values(chart, values, where, why):
@@ -777,6 +897,26 @@ def test_schema_refuses_bad_values(chart, values, where, why):
         (
             {"inferenceExtension": {"monitoring": {"prometheus": {"enabled": True, "auth": {"enabled": True}}}}},
             "inferenceExtension.monitoring.prometheus.auth.secretName is required",
+        ),
+        (
+            {"inferenceExtension": {"tls": {"enabled": False, "clientCA": {"secretName": "gateway-ca"}}}},
+            "inferenceExtension.tls.clientCA.secretName needs inferenceExtension.tls.enabled",
+        ),
+        (
+            {"inferenceExtension": {"peerTLS": {"certManager": {"enabled": True}}}},
+            "inferenceExtension.peerTLS.certManager.issuerRef.name is required",
+        ),
+        (
+            {"inferenceExtension": {"peerTLS": {"existingSecret": "s", "certManager": {"enabled": True, "issuerRef": {"name": "ca"}}}}},
+            "inferenceExtension.peerTLS: set existingSecret or certManager.enabled, not both",
+        ),
+        (
+            {"inferenceExtension": {"flags": {"client-ca-path": "/ca.crt"}}},
+            "the chart sets --client-ca-path itself; use inferenceExtension.tls.clientCA",
+        ),
+        (
+            {"inferenceExtension": {"flags": {"peer-cert-path": "/p"}}},
+            "the chart sets --peer-cert-path itself; use inferenceExtension.peerTLS",
         ),
     ],
 )
@@ -871,6 +1011,7 @@ def kv_epp_binary() -> Path | None:
         merged(BASE, {"inferencePool": {"modelServerType": "trtllm-serve"}}),
         merged(BASE, {"inferencePool": {"modelServerType": "sglang"}}),
         merged(BASE, {"config": {"models": [{"name": "m", "block_size": 16}]}}),
+        merged(BASE, {"inferenceExtension": {"tls": {"secretName": "t", "clientCA": {"secretName": "ca"}}, "peerTLS": {"enabled": False}}}),
     ],
 )
 def test_rendered_args_and_config_are_accepted_by_kv_epp(chart, values, tmp_path):

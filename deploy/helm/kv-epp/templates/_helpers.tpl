@@ -81,6 +81,18 @@ app.kubernetes.io/part-of: kv-epp
 {{- default (printf "%s-admin-auth" (include "kv-epp.fullname" .)) .Values.inferenceExtension.admin.existingSecret }}
 {{- end }}
 
+{{- define "kv-epp.peerTlsSecretName" -}}
+{{- default (printf "%s-peer-tls" (include "kv-epp.fullname" .)) .Values.inferenceExtension.peerTLS.existingSecret }}
+{{- end }}
+
+{{/* The names a peer certificate is issued for; replicas check `<peer Service>.<namespace>.svc`
+(kv-epp's default peers.server_name under peers.service). */}}
+{{- define "kv-epp.peerDnsNames" -}}
+{{- $svc := include "kv-epp.peerServiceName" . }}
+{{- $ns := .Release.Namespace }}
+{{- toJson (list $svc (printf "%s.%s" $svc $ns) (printf "%s.%s.svc" $svc $ns) (printf "%s.%s.svc.cluster.local" $svc $ns)) }}
+{{- end }}
+
 {{- define "kv-epp.fingerprintSecretName" -}}
 {{- default (printf "%s-salt-key" (include "kv-epp.fullname" .)) .Values.inferenceExtension.saltFingerprintKey.existingSecret }}
 {{- end }}
@@ -93,6 +105,8 @@ volume is read-only and cannot hold mount points for other volumes. */}}
 {{- define "kv-epp.adminAuthDir" -}}/var/run/secrets/kv-epp/admin-auth{{- end }}
 {{- define "kv-epp.saltKeyDir" -}}/var/run/secrets/kv-epp/salt{{- end }}
 {{- define "kv-epp.tlsDir" -}}/var/run/secrets/kv-epp/tls{{- end }}
+{{- define "kv-epp.clientCADir" -}}/var/run/secrets/kv-epp/client-ca{{- end }}
+{{- define "kv-epp.peerTlsDir" -}}/var/run/secrets/kv-epp/peer-tls{{- end }}
 
 {{/* KV event engine: config.events.engine, else derived from the model-server type. */}}
 {{- define "kv-epp.eventsEngine" -}}
@@ -127,7 +141,9 @@ volume is read-only and cannot hold mount points for other volumes. */}}
       "peer-token-file" "inferenceExtension.peerAuth"
       "admin-token-file" "inferenceExtension.admin"
       "secure-serving" "inferenceExtension.tls.enabled"
-      "cert-path" "inferenceExtension.tls.secretName" }}
+      "cert-path" "inferenceExtension.tls.secretName"
+      "client-ca-path" "inferenceExtension.tls.clientCA"
+      "peer-cert-path" "inferenceExtension.peerTLS" }}
 {{- range $flag, $_ := $ie.flags }}
 {{- if hasKey $managed $flag }}
 {{- fail (printf "inferenceExtension.flags.%s: the chart sets --%s itself; use %s" $flag $flag (index $managed $flag)) }}
@@ -142,6 +158,17 @@ volume is read-only and cannot hold mount points for other volumes. */}}
 {{- range $i, $m := .Values.config.models }}
 {{- if and $m.tokenizer (empty $.Values.inferenceExtension.tokenizers.volume) }}
 {{- fail (printf "config.models[%d].tokenizer is set but inferenceExtension.tokenizers.volume is empty: mount the tokenizer files" $i) }}
+{{- end }}
+{{- end }}
+{{- if and $ie.tls.clientCA.secretName (not $ie.tls.enabled) }}
+{{- fail "inferenceExtension.tls.clientCA.secretName needs inferenceExtension.tls.enabled: client certificates are part of the TLS handshake" }}
+{{- end }}
+{{- if and $ie.peerTLS.enabled $ie.peerTLS.certManager.enabled }}
+{{- if $ie.peerTLS.existingSecret }}
+{{- fail "inferenceExtension.peerTLS: set existingSecret or certManager.enabled, not both" }}
+{{- end }}
+{{- if not $ie.peerTLS.certManager.issuerRef.name }}
+{{- fail "inferenceExtension.peerTLS.certManager.issuerRef.name is required when certManager.enabled is true" }}
 {{- end }}
 {{- end }}
 {{- if and $ie.monitoring.prometheus.enabled $ie.monitoring.prometheus.auth.enabled (not $ie.monitoring.prometheus.auth.secretName) }}
@@ -163,6 +190,9 @@ file never disagree. */}}
       "secure_serving" $ie.tls.enabled }}
 {{- if and $ie.tls.enabled $ie.tls.secretName }}
 {{- $_ := set $server "cert_path" (include "kv-epp.tlsDir" .) }}
+{{- end }}
+{{- if and $ie.tls.enabled $ie.tls.clientCA.secretName }}
+{{- $_ := set $server "client_ca_path" (printf "%s/%s" (include "kv-epp.clientCADir" .) $ie.tls.clientCA.key) }}
 {{- end }}
 {{- if $ie.monitoring.prometheus.auth.enabled }}
 {{- $_ := set $server "metrics_auth" true }}

@@ -130,9 +130,10 @@ def test_defaults_render_the_picker_and_its_pool(chart):
             "NetworkPolicy",
             "Role",
             "RoleBinding",
-            "Secret",
-            "Secret",
-            "Secret",
+            "Secret",  # peer token
+            "Secret",  # salt fingerprint key
+            "Secret",  # admin token
+            "Secret",  # peer TLS
             "Service",
             "Service",
             "ServiceAccount",

@@ -188,6 +188,13 @@ pub struct ServerConfig {
     /// certificate (`tls.crt`, `tls.key`), generated once when absent and reused at every later
     /// start so a gateway can pin it. Unset: a new certificate in memory at each start.
     pub self_signed_cert_dir: Option<PathBuf>,
+    /// Concurrent ext_proc streams (requests) one HTTP/2 connection from Envoy may carry; Envoy
+    /// opens another connection beyond it.
+    pub max_concurrent_streams: u32,
+    /// HTTP/2 PING interval on ext_proc connections, in ms (0 = no keepalive pings).
+    pub keepalive_interval_ms: u64,
+    /// How long a keepalive PING may go unanswered before the connection is closed, in ms.
+    pub keepalive_timeout_ms: u64,
 }
 
 impl Default for ServerConfig {
@@ -205,6 +212,9 @@ impl Default for ServerConfig {
             cert_path: None,
             client_ca_path: None,
             self_signed_cert_dir: None,
+            max_concurrent_streams: 1024,
+            keepalive_interval_ms: 30_000,
+            keepalive_timeout_ms: 10_000,
         }
     }
 }
@@ -226,6 +236,11 @@ pub struct RoutingConfig {
     pub unknown_model: UnknownModel,
     /// Honour the GIE conformance headers (`test-epp-endpoint-selection`, served-endpoint echo).
     pub conformance_hooks: bool,
+    /// Longest wait for Envoy's next message on a stream before its decision, in ms (408 after).
+    pub stream_idle_timeout_ms: u64,
+    /// Request body bytes buffered across all streams at once (503 for a stream whose next chunk
+    /// would exceed it); at least `max_body_bytes`.
+    pub max_buffered_body_bytes: usize,
 }
 
 impl Default for RoutingConfig {
@@ -237,6 +252,8 @@ impl Default for RoutingConfig {
             fallbacks: 0,
             unknown_model: UnknownModel::LoadOnly,
             conformance_hooks: false,
+            stream_idle_timeout_ms: 30_000,
+            max_buffered_body_bytes: 256 << 20,
         }
     }
 }
@@ -731,6 +748,23 @@ impl Config {
         if self.routing.max_body_bytes == 0 {
             return bad("routing.max_body_bytes must be > 0".into());
         }
+        if self.routing.stream_idle_timeout_ms == 0 {
+            return bad("routing.stream_idle_timeout_ms must be > 0".into());
+        }
+        if self.routing.max_buffered_body_bytes < self.routing.max_body_bytes {
+            return bad(format!(
+                "routing.max_buffered_body_bytes ({}) must be at least routing.max_body_bytes ({})",
+                self.routing.max_buffered_body_bytes, self.routing.max_body_bytes
+            ));
+        }
+        if self.server.max_concurrent_streams == 0 {
+            return bad("server.max_concurrent_streams must be > 0".into());
+        }
+        if self.server.keepalive_interval_ms > 0 && self.server.keepalive_timeout_ms == 0 {
+            return bad(
+                "server.keepalive_timeout_ms must be > 0 when keepalive_interval_ms is set".into(),
+            );
+        }
         self.scoring.validate().map_err(ConfigError::Invalid)?;
         if self.salt.sources.is_empty() && self.salt.required {
             return bad("salt.required is true but salt.sources is empty".into());
@@ -965,5 +999,49 @@ mod tests {
         let c = Config::from_yaml(EXAMPLE).unwrap();
         assert!(!c.discovers_workers(), "static workers turn discovery off");
         assert!(Config::from_yaml("pool: {api_version: v2}").is_err());
+    }
+
+    #[test]
+    fn stream_limits_default_to_production_values_and_are_validated() {
+        let c = Config::default();
+        assert_eq!(c.routing.stream_idle_timeout_ms, 30_000);
+        assert_eq!(c.routing.max_buffered_body_bytes, 256 << 20);
+        assert_eq!(c.server.max_concurrent_streams, 1024);
+        assert_eq!(
+            (
+                c.server.keepalive_interval_ms,
+                c.server.keepalive_timeout_ms
+            ),
+            (30_000, 10_000)
+        );
+        for (yaml, field) in [
+            (
+                "routing: {stream_idle_timeout_ms: 0}",
+                "routing.stream_idle_timeout_ms",
+            ),
+            (
+                "routing: {max_body_bytes: 100, max_buffered_body_bytes: 99}",
+                "routing.max_buffered_body_bytes",
+            ),
+            (
+                "server: {max_concurrent_streams: 0}",
+                "server.max_concurrent_streams",
+            ),
+            (
+                "server: {keepalive_timeout_ms: 0}",
+                "server.keepalive_timeout_ms",
+            ),
+        ] {
+            let e = Config::from_yaml(yaml)
+                .unwrap()
+                .validate()
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(field), "{yaml}: {e}");
+        }
+        Config::from_yaml("server: {keepalive_interval_ms: 0, keepalive_timeout_ms: 0}")
+            .unwrap()
+            .validate()
+            .unwrap();
     }
 }

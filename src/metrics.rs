@@ -30,6 +30,8 @@ pub struct Metrics {
     pub inflight: Family<Labels, Gauge>,
     /// Streams that ended with an error, by kind.
     pub stream_errors: Family<Labels, Counter>,
+    /// Request body bytes buffered across all ext_proc streams, waiting for their decision.
+    pub buffered_body_bytes: Gauge,
     /// Token usage reported in responses, by model and kind (prompt, completion, cached).
     pub tokens: Family<Labels, Counter>,
     /// Responses whose served endpoint differed from the one picked.
@@ -109,6 +111,12 @@ impl Metrics {
             "stream_errors",
             "ext_proc streams that ended with an error",
             stream_errors.clone(),
+        );
+        let buffered_body_bytes = Gauge::default();
+        registry.register(
+            "buffered_body_bytes",
+            "Request body bytes buffered across all ext_proc streams before their decision",
+            buffered_body_bytes.clone(),
         );
         let tokens = Family::<Labels, Counter>::default();
         registry.register(
@@ -213,6 +221,7 @@ impl Metrics {
             cached_blocks,
             inflight,
             stream_errors,
+            buffered_body_bytes,
             tokens,
             served_mismatch,
             discovery_skipped_pods,

@@ -5,6 +5,7 @@
 use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
+use std::time::Duration;
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 use tokio::net::TcpListener;
@@ -18,8 +19,9 @@ use crate::auth::{Guard, Listener, Reviews, TokenFile, Verifier};
 use crate::config::Config;
 use crate::decide::Picker;
 use crate::events::Feeds;
-use crate::extproc::ExtProcService;
+use crate::extproc::budget::BodyBudget;
 use crate::extproc::stream::StreamOptions;
+use crate::extproc::{ExtProcService, StreamLimits};
 use crate::membership::Membership;
 use crate::metrics::Metrics;
 use crate::readiness::Readiness;
@@ -257,14 +259,30 @@ impl Server {
             max_body_bytes: config.routing.max_body_bytes,
             retry_after_seconds: config.routing.retry_after_seconds,
             conformance_hooks: config.routing.conformance_hooks,
+            body_budget: BodyBudget::new(
+                config.routing.max_buffered_body_bytes,
+                metrics.buffered_body_bytes.clone(),
+            ),
+        };
+        let limits = StreamLimits {
+            idle_before_decision: Duration::from_millis(config.routing.stream_idle_timeout_ms),
         };
         let service = ExternalProcessorServer::new(ExtProcService::new(
             picker.clone(),
             metrics.clone(),
             opts,
+            limits,
         ))
         .max_decoding_message_size(config.routing.max_body_bytes.max(4 << 20) + (1 << 20));
-        let router_svc = GrpcServer::builder().add_service(service);
+        let keepalive = (config.server.keepalive_interval_ms > 0)
+            .then(|| Duration::from_millis(config.server.keepalive_interval_ms));
+        let router_svc = GrpcServer::builder()
+            .max_concurrent_streams(config.server.max_concurrent_streams)
+            .http2_keepalive_interval(keepalive)
+            .http2_keepalive_timeout(Some(Duration::from_millis(
+                config.server.keepalive_timeout_ms,
+            )))
+            .add_service(service);
         let mut stop = rx.clone();
         let done = async move {
             let _ = stop.wait_for(|s| *s).await;

@@ -19,6 +19,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::google::protobuf::value::Kind;
 use kv_epp::config::Config;
 use kv_epp::decide::tokens_digest;
+use kv_epp::extproc::budget::BodyBudget;
 use kv_epp::extproc::stream::{StreamHandler, StreamOptions};
 use kv_epp::metrics::Metrics;
 use kv_epp::server::Server;
@@ -145,6 +146,7 @@ fn via_ext_proc(server: &Server) -> (StreamHandler, Summary) {
             max_body_bytes: 1 << 20,
             retry_after_seconds: 1,
             conformance_hooks: false,
+            body_budget: BodyBudget::new(1 << 30, Default::default()),
         },
     );
     let header = |k: &str, v: &str| HeaderValue {

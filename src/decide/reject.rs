@@ -54,6 +54,20 @@ pub enum Reject {
         /// The limit in bytes.
         limit: usize,
     },
+    /// Envoy sent nothing for `after_ms` milliseconds before the decision
+    /// (`routing.stream_idle_timeout_ms`): 408 (found by the edge while waiting).
+    #[error("no request data for {after_ms} ms")]
+    StreamIdle {
+        /// The idle limit in milliseconds.
+        after_ms: u64,
+    },
+    /// Buffering the body would exceed the process-wide budget of buffered request bytes
+    /// (`routing.max_buffered_body_bytes`): 503 (found by the edge while buffering).
+    #[error("too many request bytes are buffered (budget {budget} bytes); try again")]
+    BufferFull {
+        /// The budget in bytes.
+        budget: usize,
+    },
     /// No ready endpoint serves the model (or none inside the subset hint): 503.
     #[error("no ready endpoint{scope}")]
     NoEndpoints {
@@ -79,9 +93,10 @@ impl Reject {
             | Reject::BadPrompt { .. }
             | Reject::PromptTooLong { .. } => 400,
             Reject::UnknownModel(_) => 404,
+            Reject::StreamIdle { .. } => 408,
             Reject::BodyTooLarge { .. } => 413,
             Reject::Saturated { .. } => 429,
-            Reject::NoEndpoints { .. } => 503,
+            Reject::NoEndpoints { .. } | Reject::BufferFull { .. } => 503,
         }
     }
 
@@ -93,6 +108,8 @@ impl Reject {
             Reject::UnknownModel(_) => "model-not-found",
             Reject::PromptTooLong { .. } => "prompt-too-long",
             Reject::BodyTooLarge { .. } => "body-too-large",
+            Reject::StreamIdle { .. } => "stream-idle-timeout",
+            Reject::BufferFull { .. } => "rejected-buffer-full",
             Reject::NoEndpoints { .. } => "rejected-no-endpoints",
             Reject::Saturated { .. } => "rejected-saturated",
         }
@@ -106,6 +123,8 @@ impl Reject {
             Reject::UnknownModel(_) => "rejected_unknown_model",
             Reject::PromptTooLong { .. } => "rejected_prompt_too_long",
             Reject::BodyTooLarge { .. } => "rejected_too_large",
+            Reject::StreamIdle { .. } => "rejected_idle_timeout",
+            Reject::BufferFull { .. } => "rejected_buffer_full",
             Reject::NoEndpoints { .. } => "rejected_no_endpoints",
             Reject::Saturated { .. } => "rejected_saturated",
         }
@@ -121,7 +140,11 @@ impl Reject {
             Reject::NoEndpoints { model, .. } | Reject::Saturated { model } => {
                 model.as_deref().unwrap_or("")
             }
-            Reject::BadRequest(_) | Reject::BadSalt(_) | Reject::BodyTooLarge { .. } => "",
+            Reject::BadRequest(_)
+            | Reject::BadSalt(_)
+            | Reject::BodyTooLarge { .. }
+            | Reject::StreamIdle { .. }
+            | Reject::BufferFull { .. } => "",
         }
     }
 
@@ -170,6 +193,8 @@ mod tests {
                 max: 8,
             },
             Reject::BodyTooLarge { limit: 1 },
+            Reject::StreamIdle { after_ms: 1 },
+            Reject::BufferFull { budget: 1 },
             Reject::NoEndpoints {
                 model: None,
                 scope: "",
@@ -184,6 +209,8 @@ mod tests {
                 | Reject::UnknownModel(_)
                 | Reject::PromptTooLong { .. }
                 | Reject::BodyTooLarge { .. }
+                | Reject::StreamIdle { .. }
+                | Reject::BufferFull { .. }
                 | Reject::NoEndpoints { .. }
                 | Reject::Saturated { .. } => {}
             }

@@ -1,43 +1,64 @@
 //! The ext_proc gRPC edge: a thin tonic adapter that runs one [`stream::StreamHandler`] per
 //! Envoy stream. Decisions are `crate::decide`'s, stream state the handler's; this file only moves messages.
 
+pub mod budget;
+mod lanes;
 pub mod messages;
 pub mod stream;
 pub mod usage;
 
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use futures_util::Stream;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Code, Request, Response, Status, Streaming};
 
-use crate::decide::Picker;
+use crate::decide::{Picker, Reject};
 use crate::metrics::Metrics;
+use lanes::DecisionLanes;
 use stream::{StreamHandler, StreamOptions};
+
+/// Limits the edge enforces on every stream, besides the handler's own.
+#[derive(Clone, Copy, Debug)]
+pub struct StreamLimits {
+    /// Longest wait for Envoy's next message before the decision (408 after it).
+    pub idle_before_decision: Duration,
+}
 
 /// The ext_proc service.
 pub(crate) struct ExtProcService {
     picker: Arc<Picker>,
     metrics: Arc<Metrics>,
     opts: StreamOptions,
+    limits: StreamLimits,
+    lanes: DecisionLanes,
 }
 
 impl ExtProcService {
     /// A service deciding with `picker`, counting in `metrics`.
-    pub(crate) fn new(picker: Arc<Picker>, metrics: Arc<Metrics>, opts: StreamOptions) -> Self {
+    pub(crate) fn new(
+        picker: Arc<Picker>,
+        metrics: Arc<Metrics>,
+        opts: StreamOptions,
+        limits: StreamLimits,
+    ) -> Self {
         ExtProcService {
             picker,
             metrics,
             opts,
+            limits,
+            lanes: DecisionLanes::for_machine(),
         }
     }
 }
 
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
+type Outbound = mpsc::Sender<Result<ProcessingResponse, Status>>;
 
 #[tonic::async_trait]
 impl ExternalProcessor for ExtProcService {
@@ -47,46 +68,145 @@ impl ExternalProcessor for ExtProcService {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
-        let mut inbound = request.into_inner();
+        let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(32);
-        let mut handler =
+        let handler =
             StreamHandler::new(self.picker.clone(), self.metrics.clone(), self.opts.clone());
-        let metrics = self.metrics.clone();
-        tokio::spawn(async move {
-            loop {
-                let msg = match inbound.message().await {
-                    Ok(Some(msg)) => msg,
-                    // Half-close, or Envoy's reset after our last message: a normal end.
-                    Ok(None) => break,
-                    Err(status) => {
-                        if handler.decision().is_none() && !handler.is_finished() {
-                            count_error(&metrics, "reset_before_decision");
-                            tracing::debug!(%status, "ext_proc stream reset before a decision");
-                        }
-                        break;
-                    }
+        tokio::spawn(run_stream(
+            inbound,
+            tx,
+            handler,
+            self.metrics.clone(),
+            self.limits,
+            self.opts.max_body_bytes,
+            self.lanes.clone(),
+        ));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+/// Feeds one stream's messages to its handler until either side ends it. Every way out drops
+/// the handler, which releases its booking and its buffered bytes exactly once.
+async fn run_stream(
+    mut inbound: Streaming<ProcessingRequest>,
+    tx: Outbound,
+    mut handler: StreamHandler,
+    metrics: Arc<Metrics>,
+    limits: StreamLimits,
+    max_body_bytes: usize,
+    lanes: DecisionLanes,
+) {
+    loop {
+        let next = if handler.decision().is_none() {
+            match tokio::time::timeout(limits.idle_before_decision, inbound.message()).await {
+                Ok(next) => next,
+                Err(_) => {
+                    let why = Reject::StreamIdle {
+                        after_ms: limits.idle_before_decision.as_millis() as u64,
+                    };
+                    return end_early(&mut handler, &metrics, "idle_timeout", &why, &tx).await;
+                }
+            }
+        } else {
+            inbound.message().await
+        };
+        let msg = match next {
+            Ok(Some(msg)) => msg,
+            // Half-close, or Envoy's reset after our last message: a normal end.
+            Ok(None) => break,
+            Err(status) if over_message_limit(&status) => {
+                let why = Reject::BodyTooLarge {
+                    limit: max_body_bytes,
                 };
-                match handler.on_message(msg) {
-                    Ok(out) => {
-                        for r in out {
-                            if tx.send(Ok(r)).await.is_err() {
-                                return; // Envoy went away; dropping the handler releases the booking.
-                            }
-                        }
+                tracing::debug!(%status, "ext_proc message over the size limit");
+                return end_early(&mut handler, &metrics, "message_too_large", &why, &tx).await;
+            }
+            Err(status) => {
+                if let Some(kind) = reset_kind(&handler) {
+                    count_error(&metrics, kind);
+                    tracing::debug!(%status, kind, "ext_proc stream reset");
+                }
+                break;
+            }
+        };
+        let result = match handler.decides_on(&msg) {
+            // The decisive message (tokenization, scoring) runs off the I/O threads.
+            Some(body_bytes) => {
+                let work = move || {
+                    let out = handler.on_message(msg);
+                    (handler, out)
+                };
+                match lanes.run(body_bytes, work).await {
+                    Ok((back, out)) => {
+                        handler = back;
+                        out
                     }
                     Err(e) => {
                         count_error(&metrics, "protocol");
-                        tracing::warn!(error = %e, "ext_proc protocol error");
-                        let _ = tx.send(Err(Status::invalid_argument(e.to_string()))).await;
+                        tracing::error!(error = %e, "ext_proc decision failed");
+                        let _ = tx.send(Err(Status::internal(e.to_string()))).await;
                         return;
                     }
                 }
-                if handler.is_finished() {
-                    break;
+            }
+            None => handler.on_message(msg),
+        };
+        match result {
+            Ok(out) => {
+                for r in out {
+                    if tx.send(Ok(r)).await.is_err() {
+                        // Envoy went away; dropping the handler releases the booking.
+                        if let Some(kind) = reset_kind(&handler) {
+                            count_error(&metrics, kind);
+                        }
+                        return;
+                    }
                 }
             }
-        });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+            Err(e) => {
+                count_error(&metrics, "protocol");
+                tracing::warn!(error = %e, "ext_proc protocol error");
+                let _ = tx.send(Err(Status::invalid_argument(e.to_string()))).await;
+                return;
+            }
+        }
+        if handler.is_finished() {
+            break;
+        }
+    }
+}
+
+/// Ends a stream from our side for `why`, counted as `kind`: the local reply when the request is
+/// not routed yet, otherwise just the end of the stream.
+async fn end_early(
+    handler: &mut StreamHandler,
+    metrics: &Metrics,
+    kind: &str,
+    why: &Reject,
+    tx: &Outbound,
+) {
+    count_error(metrics, kind);
+    if let Some(reply) = handler.abandon(why) {
+        let _ = tx.send(Ok(reply)).await;
+    }
+}
+
+/// tonic's error for a gRPC message over `max_decoding_message_size`.
+fn over_message_limit(status: &Status) -> bool {
+    matches!(status.code(), Code::OutOfRange | Code::ResourceExhausted)
+        && status.message().contains("too large")
+}
+
+/// How a receive error or a closed response stream counts: `None` when the stream was over
+/// anyway (a local reply sent, or the response ended: Envoy 1.40 ends finished streams with a
+/// reset), else whether the client or Envoy left before or after the decision.
+fn reset_kind(handler: &StreamHandler) -> Option<&'static str> {
+    if handler.is_finished() || handler.response_done() {
+        None
+    } else if handler.decision().is_none() {
+        Some("reset_before_decision")
+    } else {
+        Some("reset_after_decision")
     }
 }
 

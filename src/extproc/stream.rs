@@ -5,8 +5,13 @@
 //!      │ headers                                               ▲
 //!      ▼                                                       │ body complete: decide
 //! CollectBody ──body chunks (≤ max_body_bytes)─────────────────┘
-//!      └── any rejection (400/404/413/429/503) ─▶ Finished (ImmediateResponse sent)
+//!      └── any rejection (400/404/408/413/429/503) ─▶ Finished (ImmediateResponse sent)
 //! ```
+//!
+//! The buffered body draws on the process-wide [`BodyBudget`] through a guard kept in
+//! `CollectBody`, so its bytes return to the budget whenever that state ends. The edge may end a
+//! stream early with [`StreamHandler::abandon`] (idle, oversized gRPC message): the same local
+//! reply path as any other refusal.
 //!
 //! FULL_DUPLEX_STREAMED: the header response waits for the whole body (routing needs it), then the
 //! body is streamed back in chunks. BUFFERED: headers are answered at once, the decision rides on
@@ -27,6 +32,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::google::protobuf::value::Kind;
 
+use super::budget::{BodyBudget, Held};
 use super::messages::{self, DESTINATION, LB_NAMESPACE, Phase};
 use super::usage::UsageScanner;
 use crate::decide::{self, Picker, ROUTED, Reject, RequestParts, Routed, TOKENIZE_FAILED};
@@ -42,6 +48,8 @@ pub struct StreamOptions {
     pub retry_after_seconds: u32,
     /// Honour the GIE conformance headers.
     pub conformance_hooks: bool,
+    /// The process-wide budget buffered request bodies draw on (503 when exhausted).
+    pub body_budget: BodyBudget,
 }
 
 const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
@@ -87,11 +95,15 @@ enum State {
     CollectBody {
         head: RequestHead,
         body: Vec<u8>,
+        /// The body's share of the budget; returned when this state ends, whatever ends it.
+        held: Held,
     },
     Routed {
         /// The booking and a fixed-size summary: never the tokens, hashes or reports.
         decision: Routed,
         usage: Option<UsageScanner>,
+        /// The response has ended (its last message arrived): a reset now is Envoy's normal end.
+        response_done: bool,
     },
     Finished,
 }
@@ -108,6 +120,8 @@ pub struct StreamHandler {
     opts: StreamOptions,
     request_mode: BodyMode,
     response_mode: BodyMode,
+    /// Whether Envoy sends response bodies at all (response body mode other than NONE).
+    response_body_sent: bool,
     state: State,
 }
 
@@ -120,6 +134,7 @@ impl StreamHandler {
             opts,
             request_mode: BodyMode::FullDuplex,
             response_mode: BodyMode::FullDuplex,
+            response_body_sent: true,
             state: State::AwaitHeaders,
         }
     }
@@ -137,6 +152,47 @@ impl StreamHandler {
         }
     }
 
+    /// Whether the routed request's response has ended, so that an Envoy reset now is the
+    /// normal end of the stream rather than a client going away mid-response.
+    pub fn response_done(&self) -> bool {
+        matches!(
+            self.state,
+            State::Routed {
+                response_done: true,
+                ..
+            }
+        )
+    }
+
+    /// The body bytes the decision would cover if `msg` makes it (the end of the request body,
+    /// trailers after it, or headers of a body-less request); `None` when `msg` decides nothing.
+    /// Lets the edge move the expensive message (tokenization) off the I/O threads by cost.
+    pub fn decides_on(&self, msg: &ProcessingRequest) -> Option<usize> {
+        match (&self.state, msg.request.as_ref()?) {
+            (State::AwaitHeaders, Request::RequestHeaders(h)) if h.end_of_stream => Some(0),
+            (State::CollectBody { body, .. }, Request::RequestBody(b)) if b.end_of_stream => {
+                Some(body.len() + b.body.len())
+            }
+            (State::CollectBody { body, .. }, Request::RequestTrailers(_)) => Some(body.len()),
+            _ => None,
+        }
+    }
+
+    /// Ends the stream from the edge's side for `why` (no data in time, a gRPC message over the
+    /// limit): before the decision this counts the refusal and returns the local reply to send,
+    /// releasing the buffered body; once routed the reply can no longer replace the response, so
+    /// it returns `None` and the stream just ends (dropping the handler releases the booking).
+    pub fn abandon(&mut self, why: &Reject) -> Option<ProcessingResponse> {
+        match self.state {
+            State::AwaitHeaders | State::CollectBody { .. } => {
+                let (next, mut out) = self.refuse(why);
+                self.state = next;
+                out.pop()
+            }
+            State::Routed { .. } | State::Finished => None,
+        }
+    }
+
     /// Handles one message from Envoy, returning the messages to send back in order.
     pub fn on_message(
         &mut self,
@@ -145,6 +201,8 @@ impl StreamHandler {
         if let Some(pc) = &msg.protocol_config {
             self.request_mode = BodyMode::from_proto(pc.request_body_mode);
             self.response_mode = BodyMode::from_proto(pc.response_body_mode);
+            // envoy.extensions.filters.http.ext_proc.v3.ProcessingMode.BodySendMode.NONE
+            self.response_body_sent = pc.response_body_mode != 0;
         }
         let metadata = msg.metadata_context;
         let Some(request) = msg.request else {
@@ -155,21 +213,33 @@ impl StreamHandler {
             (State::AwaitHeaders, Request::RequestHeaders(h)) => {
                 self.on_request_headers(h, metadata.as_ref())
             }
-            (State::CollectBody { head, mut body }, Request::RequestBody(b)) => {
+            (
+                State::CollectBody {
+                    head,
+                    mut body,
+                    mut held,
+                },
+                Request::RequestBody(b),
+            ) => {
                 if body.len() + b.body.len() > self.opts.max_body_bytes {
                     self.refuse(&Reject::BodyTooLarge {
                         limit: self.opts.max_body_bytes,
                     })
+                } else if held.grow(b.body.len()).is_err() {
+                    self.refuse(&Reject::BufferFull {
+                        budget: self.opts.body_budget.limit(),
+                    })
                 } else {
                     body.extend_from_slice(&b.body);
                     if b.end_of_stream {
+                        // The body moves into the decision; the guard returns its bytes after it.
                         self.decide(head, body, true)
                     } else {
-                        (State::CollectBody { head, body }, Vec::new())
+                        (State::CollectBody { head, body, held }, Vec::new())
                     }
                 }
             }
-            (State::CollectBody { head, body }, Request::RequestTrailers(_)) => {
+            (State::CollectBody { head, body, .. }, Request::RequestTrailers(_)) => {
                 // The body ended without an end-of-stream flag: trailers follow it.
                 let (next, mut out) = self.decide(head, body, false);
                 if !matches!(next, State::Finished) {
@@ -177,19 +247,46 @@ impl StreamHandler {
                 }
                 (next, out)
             }
-            (State::Routed { decision, usage }, Request::RequestBody(b)) => {
+            (
+                State::Routed {
+                    decision,
+                    usage,
+                    response_done,
+                },
+                Request::RequestBody(b),
+            ) => {
                 // Body after a header-time decision: pass it through unchanged.
                 let out = self.pass_body(Phase::RequestBody, self.request_mode, &b);
-                (State::Routed { decision, usage }, out)
+                (
+                    State::Routed {
+                        decision,
+                        usage,
+                        response_done,
+                    },
+                    out,
+                )
             }
             (state @ State::Routed { .. }, Request::RequestTrailers(_)) => {
                 (state, vec![messages::trailers(true)])
             }
             (State::Routed { decision, .. }, Request::ResponseHeaders(h)) => {
                 let (usage, out) = self.on_response_headers(&decision, &h, metadata.as_ref());
-                (State::Routed { decision, usage }, out)
+                let response_done = h.end_of_stream || !self.response_body_sent;
+                (
+                    State::Routed {
+                        decision,
+                        usage,
+                        response_done,
+                    },
+                    out,
+                )
             }
-            (State::Routed { decision, usage }, Request::ResponseBody(b)) => {
+            (
+                State::Routed {
+                    decision, usage, ..
+                },
+                Request::ResponseBody(b),
+            ) => {
                 let out = self.pass_body(Phase::ResponseBody, self.response_mode, &b);
                 let usage = match usage {
                     Some(mut scanner) => {
@@ -203,11 +300,28 @@ impl StreamHandler {
                     }
                     None => None,
                 };
-                (State::Routed { decision, usage }, out)
+                (
+                    State::Routed {
+                        decision,
+                        usage,
+                        response_done: b.end_of_stream,
+                    },
+                    out,
+                )
             }
-            (state @ State::Routed { .. }, Request::ResponseTrailers(_)) => {
-                (state, vec![messages::trailers(false)])
-            }
+            (
+                State::Routed {
+                    decision, usage, ..
+                },
+                Request::ResponseTrailers(_),
+            ) => (
+                State::Routed {
+                    decision,
+                    usage,
+                    response_done: true,
+                },
+                vec![messages::trailers(false)],
+            ),
             (state, other) => {
                 let what = match other {
                     Request::RequestHeaders(_) => "request headers",
@@ -240,11 +354,13 @@ impl StreamHandler {
             // No body follows: route on load alone, answer now.
             return self.route_and_answer(head, None, Phase::RequestHeaders, true);
         }
+        let held = self.opts.body_budget.hold();
         match self.request_mode {
             BodyMode::FullDuplex => (
                 State::CollectBody {
                     head,
                     body: Vec::new(),
+                    held,
                 },
                 Vec::new(),
             ),
@@ -264,6 +380,7 @@ impl StreamHandler {
                     State::CollectBody {
                         head,
                         body: Vec::new(),
+                        held,
                     },
                     vec![resp],
                 )
@@ -410,6 +527,7 @@ impl StreamHandler {
             State::Routed {
                 decision,
                 usage: None,
+                response_done: false,
             },
             out,
         )

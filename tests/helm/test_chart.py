@@ -319,7 +319,7 @@ def test_replicas_and_disruption_budget(chart, replicas):
 # --- the config file ---------------------------------------------------------------------------
 
 FULL_CONFIG = {
-    "server": {"bind_address": "::"},
+    "server": {"bind_address": "::", "max_concurrent_streams": 256, "keepalive_interval_ms": 0, "keepalive_timeout_ms": 5000},
     "routing": {
         "max_body_bytes": 8388608,
         "max_inflight_per_worker": 32,
@@ -327,6 +327,8 @@ FULL_CONFIG = {
         "fallbacks": 0,
         "unknown_model": "reject",
         "conformance_hooks": True,
+        "stream_idle_timeout_ms": 15000,
+        "max_buffered_body_bytes": 134217728,
     },
     "scoring": {
         "prefix_weight": 4.5,
@@ -370,6 +372,9 @@ def test_config_file_matches_the_values(chart):
         "grpc_health_port": 9003,
         "metrics_port": 9090,
         "secure_serving": True,
+        "max_concurrent_streams": 256,
+        "keepalive_interval_ms": 0,
+        "keepalive_timeout_ms": 5000,
     }
     assert cfg["pool"] == {
         "name": RELEASE,
@@ -396,7 +401,15 @@ def test_default_config_sections_match_the_example_config_file(chart):
             assert cfg[section][key] == value, f"{section}.{key}"
     assert cfg["salt"]["sources"] == example["salt"]["sources"]
     assert cfg["salt"]["required"] == example["salt"]["required"]
-    for key in ("grpc_port", "grpc_health_port", "metrics_port", "bind_address"):
+    for key in (
+        "grpc_port",
+        "grpc_health_port",
+        "metrics_port",
+        "bind_address",
+        "max_concurrent_streams",
+        "keepalive_interval_ms",
+        "keepalive_timeout_ms",
+    ):
         assert str(cfg["server"][key]) == str(example["server"][key]), key
 
 

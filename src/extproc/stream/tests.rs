@@ -52,6 +52,7 @@ fn opts() -> StreamOptions {
         max_body_bytes: 1 << 20,
         retry_after_seconds: 2,
         conformance_hooks: true,
+        body_budget: BodyBudget::new(1 << 30, Default::default()),
     }
 }
 
@@ -497,4 +498,100 @@ fn out_of_order_messages_are_protocol_errors() {
         err.to_string()
             .contains("request body before request headers")
     );
+}
+
+#[test]
+fn a_body_over_the_shared_budget_gets_503_and_every_exit_returns_its_bytes() {
+    let r = router("");
+    let budget = BodyBudget::new(40, Default::default());
+    let opts = StreamOptions {
+        body_budget: budget.clone(),
+        ..opts()
+    };
+    let mut a = r.handler_with(opts.clone());
+    let mut b = r.handler_with(opts.clone());
+    a.on_message(headers(&[], false, FULL_DUPLEX)).unwrap();
+    b.on_message(headers(&[], false, FULL_DUPLEX)).unwrap();
+    assert!(a.on_message(body(&[b' '; 30], false)).unwrap().is_empty());
+    assert_eq!(budget.used(), 30);
+    let out = b.on_message(body(&[b' '; 11], false)).unwrap();
+    let (code, text, _) = immediate_status(&out).unwrap();
+    assert_eq!(code, 503);
+    assert!(text.contains("rejected-buffer-full"), "{text}");
+    assert!(b.is_finished());
+    assert_eq!(budget.used(), 30, "the refused chunk took nothing");
+    drop(a); // a reset mid-body
+    assert_eq!(budget.used(), 0);
+
+    // A decision returns the bytes too, and books exactly once.
+    let mut c = r.handler_with(opts);
+    c.on_message(headers(&[], false, FULL_DUPLEX)).unwrap();
+    let out = c
+        .on_message(body(br#"{"model":"m","prompt":[1,2,3,4,5]}"#, true))
+        .unwrap();
+    assert!(immediate_status(&out).is_none());
+    assert_eq!((budget.used(), r.total_inflight()), (0, 1));
+    drop(c);
+    assert_eq!(r.total_inflight(), 0);
+}
+
+#[test]
+fn abandoning_refuses_before_the_decision_and_only_ends_the_stream_after_it() {
+    let r = router("");
+    let mut h = r.handler();
+    h.on_message(headers(&[], false, FULL_DUPLEX)).unwrap();
+    h.on_message(body(b"{", false)).unwrap();
+    let reply = h.abandon(&Reject::StreamIdle { after_ms: 5 }).unwrap();
+    let (code, text, _) = immediate_status(&[reply]).unwrap();
+    assert_eq!(code, 408);
+    assert!(text.contains("stream-idle-timeout"), "{text}");
+    assert!(h.is_finished());
+
+    let mut h = r.handler();
+    h.on_message(headers(&[], false, FULL_DUPLEX)).unwrap();
+    h.on_message(body(br#"{"model":"m","prompt":[1,2,3,4,5]}"#, true))
+        .unwrap();
+    assert_eq!(r.total_inflight(), 1);
+    assert!(h.abandon(&Reject::StreamIdle { after_ms: 5 }).is_none());
+    assert!(h.decision().is_some(), "a routed request keeps its booking");
+    drop(h);
+    assert_eq!(r.total_inflight(), 0);
+}
+
+#[test]
+fn the_decisive_message_is_known_before_it_is_handled() {
+    let r = router("");
+    let mut h = r.handler();
+    assert_eq!(h.decides_on(&headers(&[], true, FULL_DUPLEX)), Some(0));
+    assert_eq!(h.decides_on(&headers(&[], false, FULL_DUPLEX)), None);
+    h.on_message(headers(&[], false, FULL_DUPLEX)).unwrap();
+    assert_eq!(h.decides_on(&body(b"abc", false)), None);
+    h.on_message(body(b"abc", false)).unwrap();
+    assert_eq!(h.decides_on(&body(b"de", true)), Some(5));
+}
+
+#[test]
+fn the_response_is_done_at_its_end_of_stream() {
+    let r = router("");
+    let mut h = r.handler();
+    h.on_message(headers(&[], false, FULL_DUPLEX)).unwrap();
+    h.on_message(body(br#"{"model":"m","prompt":[1,2,3,4,5]}"#, true))
+        .unwrap();
+    assert!(!h.response_done());
+    h.on_message(ProcessingRequest {
+        request: Some(Request::ResponseHeaders(HttpHeaders::default())),
+        ..Default::default()
+    })
+    .unwrap();
+    assert!(!h.response_done(), "a body follows");
+    h.on_message(ProcessingRequest {
+        request: Some(Request::ResponseBody(HttpBody {
+            body: b"{}".to_vec(),
+            end_of_stream: true,
+            ..Default::default()
+        })),
+        ..Default::default()
+    })
+    .unwrap();
+    assert!(h.response_done());
 }

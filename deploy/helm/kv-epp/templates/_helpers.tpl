@@ -187,7 +187,10 @@ file never disagree. */}}
       "grpc_port" (int $ie.extProcPort)
       "grpc_health_port" (int $ie.grpcHealthPort)
       "metrics_port" (int $ie.metricsPort)
-      "secure_serving" $ie.tls.enabled }}
+      "secure_serving" $ie.tls.enabled
+      "max_concurrent_streams" (int64 $c.server.max_concurrent_streams)
+      "keepalive_interval_ms" (int64 $c.server.keepalive_interval_ms)
+      "keepalive_timeout_ms" (int64 $c.server.keepalive_timeout_ms) }}
 {{- if and $ie.tls.enabled $ie.tls.secretName }}
 {{- $_ := set $server "cert_path" (include "kv-epp.tlsDir" .) }}
 {{- end }}

@@ -14,7 +14,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
@@ -143,15 +143,20 @@ async fn small_run(
     client: &mut ExternalProcessorClient<Channel>,
     seed0: u64,
     words: usize,
+    n: usize,
+    until: impl Fn() -> bool,
 ) -> (Vec<f64>, u64) {
-    let mut ms = Vec::with_capacity(SMALL_REQUESTS);
+    let mut ms = Vec::with_capacity(n);
     let mut tokens = 0;
-    for i in 0..(WARMUP + SMALL_REQUESTS) as u64 {
+    let mut i = 0u64;
+    // At least `n` measured requests, and on until `until()` holds.
+    while ms.len() < n || !until() {
         let (s, t) = decide(client, chat(seed0 + i, words)).await;
         if i >= WARMUP as u64 {
             ms.push(s * 1e3);
             tokens = t;
         }
+        i += 1;
     }
     (ms, tokens)
 }
@@ -179,11 +184,18 @@ async fn main() {
     // ≈1k tokens: calibrate the word count on one request.
     let (_, t) = decide(&mut client, chat(0, 500)).await;
     let words = (500 * 1000 / t.max(1)) as usize;
-    let (mut alone, tokens) = small_run(&mut client, 1_000, words).await;
+    // `cargo test --all-targets` runs this binary without `--bench`: a short smoke run then.
+    let full = std::env::args().any(|a| a == "--bench");
+    let (n, big_bytes) = if full {
+        (SMALL_REQUESTS, BIG_BODY_BYTES)
+    } else {
+        (10, 256 << 10)
+    };
+    let (mut alone, tokens) = small_run(&mut client, 1_000, words, n, || true).await;
 
     let stop = Arc::new(AtomicBool::new(false));
     let big_done = Arc::new(AtomicUsize::new(0));
-    let big_words = BIG_BODY_BYTES / 7;
+    let big_words = big_bytes / 7;
     let mut big = Vec::new();
     for c in 0..BIG_CLIENTS as u64 {
         let (stop, done, url) = (stop.clone(), big_done.clone(), url.clone());
@@ -194,19 +206,24 @@ async fn main() {
                 .max_decoding_message_size(64 << 20);
             let mut i = 0;
             while !stop.load(Ordering::Relaxed) {
-                decide(&mut client, chat(1_000_000 * (c + 1) + i, big_words)).await;
+                let (_, t) = decide(&mut client, chat(1_000_000 * (c + 1) + i, big_words)).await;
+                assert!(t > 0, "a big request was decided without its tokens");
                 done.fetch_add(1, Ordering::Relaxed);
                 i += 1;
             }
         }));
     }
-    // Let every big client have a body in flight before measuring.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let (mut loaded, _) = small_run(&mut client, 10_000, words).await;
+    // Measure while the big bodies are being tokenized: on until every big client has had at
+    // least two decisions (so the small requests overlapped whole big ones), not for a fixed time.
+    let done = big_done.clone();
+    let (mut loaded, _) = small_run(&mut client, 10_000, words, n, move || {
+        done.load(Ordering::Relaxed) >= 2 * BIG_CLIENTS
+    })
+    .await;
     stop.store(true, Ordering::Relaxed);
     let big_finished = big_done.load(Ordering::Relaxed);
     for b in big {
-        let _ = b.await;
+        b.await.expect("a big client failed");
     }
 
     let (a50, a99, l50, l99) = (
@@ -216,14 +233,16 @@ async fn main() {
         pct(&mut loaded, 0.99),
     );
     println!(
-        "decision latency, {tokens}-token chat requests (small BPE), {SMALL_REQUESTS} each, {} cores",
+        "decision latency, {tokens}-token chat requests (small BPE), {} alone, {} loaded, {} cores",
+        alone.len(),
+        loaded.len(),
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
     println!("{:>34} | {:>9} {:>9}", "", "p50", "p99");
     println!("{:>34} | {a50:>7.2}ms {a99:>7.2}ms", "alone");
     println!(
         "{:>34} | {l50:>7.2}ms {l99:>7.2}ms",
-        format!("with {BIG_CLIENTS} × {} MiB bodies", BIG_BODY_BYTES >> 20)
+        format!("with {BIG_CLIENTS} × {} KiB bodies", big_bytes >> 10)
     );
     println!(
         "{:>34} | {:>8.2}x {:>8.2}x   (goal: p50 ≤ 3x; {big_finished} big decisions meanwhile)",

@@ -103,7 +103,13 @@ fn shipped_envoy_configs_validate() {
     let Some(bin) = envoy_binary() else { return };
     let dir = std::env::temp_dir().join(format!("kv-epp-envoy-validate-{}", std::process::id()));
     let certs = MtlsFiles::write(&dir);
-    for file in ["envoy.yaml", "envoy-buffered.yaml", "envoy-mtls.yaml"] {
+    for file in [
+        "envoy.yaml",
+        "envoy-buffered.yaml",
+        "envoy-mtls.yaml",
+        "envoy-failopen.yaml",
+        "envoy-buffered-failopen.yaml",
+    ] {
         let shipped = format!("{}/deploy/envoy/{file}", env!("CARGO_MANIFEST_DIR"));
         // The mTLS example names certificate files Envoy reads while validating: point it at
         // the test's own.
@@ -145,6 +151,69 @@ fn the_mtls_example_is_the_full_duplex_example_plus_tls() {
         "{tls}"
     );
     assert_eq!(mtls.replace(tls, ""), body(read("envoy.yaml")));
+}
+
+/// Each fail-open example is its fail-closed twin plus the fallback and nothing else: with
+/// `failure_mode_allow` back to false and the fallback route, the `model-pool` cluster and
+/// kv-epp's health checks taken out, the two parse to the same configuration.
+#[test]
+fn the_fail_open_examples_are_the_fail_closed_ones_plus_a_fallback() {
+    use serde_yaml::Value;
+    let read = |f: &str| -> Value {
+        let path = format!("{}/deploy/envoy/{f}", env!("CARGO_MANIFEST_DIR"));
+        serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    };
+    let yaml = |s: &str| -> Value { serde_yaml::from_str(s).unwrap() };
+    for (open, closed) in [
+        ("envoy-failopen.yaml", "envoy.yaml"),
+        ("envoy-buffered-failopen.yaml", "envoy-buffered.yaml"),
+    ] {
+        let mut y = read(open);
+        let hcm = &mut y["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+        let ext_proc = &mut hcm["http_filters"][0]["typed_config"];
+        assert_eq!(ext_proc["failure_mode_allow"], true, "{open}");
+        ext_proc["failure_mode_allow"] = false.into();
+        let routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+            .as_sequence_mut()
+            .unwrap();
+        // Last, unconditional, to the pool; kv-epp's pick only when its metadata is there.
+        let fallback = routes.pop().unwrap();
+        assert_eq!(fallback["match"], yaml("{prefix: /}"), "{open}");
+        assert_eq!(fallback["route"]["cluster"], "model-pool", "{open}");
+        let picked = routes[0]["match"]
+            .as_mapping_mut()
+            .unwrap()
+            .remove("dynamic_metadata");
+        assert_eq!(
+            picked,
+            Some(yaml(
+                "[{filter: envoy.lb, path: [{key: x-gateway-destination-endpoint}], value: {present_match: true}}]"
+            )),
+            "{open}"
+        );
+        let clusters = y["static_resources"]["clusters"].as_sequence_mut().unwrap();
+        let pool = clusters.iter().position(|c| c["name"] == "model-pool");
+        let pool = clusters.remove(pool.expect("a model-pool cluster"));
+        assert_eq!(pool["lb_policy"], "ROUND_ROBIN", "{open}");
+        let kv_epp = clusters.iter_mut().find(|c| c["name"] == "kv-epp").unwrap();
+        let endpoint = kv_epp["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+            .as_mapping_mut()
+            .unwrap();
+        assert!(endpoint.remove("health_check_config").is_some(), "{open}");
+        let kv_epp = kv_epp.as_mapping_mut().unwrap();
+        assert_eq!(
+            kv_epp.remove("common_lb_config"),
+            Some(yaml("{healthy_panic_threshold: {value: 0}}")),
+            "{open}: no panic routing to a kv-epp known down"
+        );
+        let checks = kv_epp.remove("health_checks").unwrap();
+        assert_eq!(
+            checks[0]["grpc_health_check"]["service_name"],
+            "envoy.service.ext_proc.v3.ExternalProcessor",
+            "{open}"
+        );
+        assert_eq!(y, read(closed), "{open} drifted from {closed}");
+    }
 }
 
 /// The certificates of a mutual-TLS rig: kv-epp's (`kv-epp/`) and Envoy's (`envoy/`, with the CA

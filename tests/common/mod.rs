@@ -90,6 +90,12 @@ pub enum EnvoyShape {
     /// deploy/envoy/envoy-mtls.yaml as shipped: mutual TLS to kv-epp, certificates under
     /// [`ENVOY_MTLS_DIR`].
     FullDuplexMtls,
+    /// deploy/envoy/envoy-failopen.yaml as shipped: FULL_DUPLEX, round robin over the workers
+    /// when kv-epp fails (render with [`envoy_fail_open_config`]).
+    FullDuplexFailOpen,
+    /// deploy/envoy/envoy-buffered-failopen.yaml as shipped (render with
+    /// [`envoy_fail_open_config`]).
+    BufferedFailOpen,
 }
 
 /// Where deploy/envoy/envoy-mtls.yaml reads Envoy's certificate, key and kv-epp's CA.
@@ -108,6 +114,8 @@ pub fn envoy_config(shape: EnvoyShape, listen: u16, extproc: u16, admin: u16) ->
     let file = match shape {
         EnvoyShape::Buffered => "envoy-buffered.yaml",
         EnvoyShape::FullDuplexMtls => "envoy-mtls.yaml",
+        EnvoyShape::FullDuplexFailOpen => "envoy-failopen.yaml",
+        EnvoyShape::BufferedFailOpen => "envoy-buffered-failopen.yaml",
         _ => "envoy.yaml",
     };
     let mut y = std::fs::read_to_string(dir.join(file)).unwrap();
@@ -145,6 +153,42 @@ pub fn envoy_config(shape: EnvoyShape, listen: u16, extproc: u16, admin: u16) ->
         _ => {}
     }
     y
+}
+
+/// Renders a shipped fail-open example with test ports: kv-epp's ext_proc port `extproc` and
+/// gRPC health port `health`, and `workers` as the round-robin fallback pool.
+pub fn envoy_fail_open_config(
+    shape: EnvoyShape,
+    listen: u16,
+    extproc: u16,
+    health: u16,
+    admin: u16,
+    workers: &[SocketAddr],
+) -> String {
+    assert!(matches!(
+        shape,
+        EnvoyShape::FullDuplexFailOpen | EnvoyShape::BufferedFailOpen
+    ));
+    let y = envoy_config(shape, listen, extproc, admin);
+    let health_port = "health_check_config: {port_value: 9003}";
+    assert!(y.contains(health_port));
+    let y = y.replace(
+        health_port,
+        &format!("health_check_config: {{port_value: {health}}}"),
+    );
+    // The example's pool has one `- endpoint:` line per model server.
+    let line = |ip: String, port: u16| {
+        format!(
+            "        - endpoint: {{address: {{socket_address: {{address: {ip}, port_value: {port}}}}}}}\n"
+        )
+    };
+    let examples = line("10.0.0.11".into(), 8000) + &line("10.0.0.12".into(), 8000);
+    assert!(y.contains(&examples));
+    let pool: String = workers
+        .iter()
+        .map(|w| line(w.ip().to_string(), w.port()))
+        .collect();
+    y.replace(&examples, &pool)
 }
 
 impl Envoy {

@@ -51,6 +51,7 @@ bench: tools
 	$(CARGO) bench --bench core -- $(if $(TRACE),--trace $(TRACE),)
 	$(CARGO) bench --bench replica
 	$(CARGO) bench --bench decode
+	$(CARGO) bench --bench extproc_load
 	KV_EPP_VENV=$(CURDIR)/.venv $(CARGO) bench --bench e2e
 
 fmt:

@@ -52,6 +52,7 @@ bench: tools
 	$(CARGO) bench --bench replica
 	$(CARGO) bench --bench decode
 	$(CARGO) bench --bench decide_lanes
+	$(CARGO) bench --bench extproc_load
 	KV_EPP_VENV=$(CURDIR)/.venv $(CARGO) bench --bench e2e
 
 fmt:

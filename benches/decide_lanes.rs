@@ -16,13 +16,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Instant;
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingRequest;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
-use envoy_types::pb::envoy::service::ext_proc::v3::{
-    HttpBody, HttpHeaders, ProcessingRequest, ProtocolConfiguration,
-};
 use envoy_types::pb::google::protobuf::value::Kind;
 use tonic::transport::Channel;
 
@@ -67,40 +63,11 @@ fn chat(seed: u64, words: usize) -> Vec<u8> {
     .into_bytes()
 }
 
+/// A FULL_DUPLEX_STREAMED chat request: headers, then the whole body.
 fn messages(body: Vec<u8>) -> Vec<ProcessingRequest> {
-    let header = |k: &str, v: &str| HeaderValue {
-        key: k.into(),
-        value: String::new(),
-        raw_value: v.as_bytes().to_vec(),
-    };
     vec![
-        ProcessingRequest {
-            protocol_config: Some(ProtocolConfiguration {
-                request_body_mode: 4,
-                response_body_mode: 4,
-                ..Default::default()
-            }),
-            request: Some(Request::RequestHeaders(HttpHeaders {
-                headers: Some(HeaderMap {
-                    headers: vec![
-                        header(":method", "POST"),
-                        header(":path", "/v1/chat/completions"),
-                        header("content-type", "application/json"),
-                    ],
-                }),
-                end_of_stream: false,
-                ..Default::default()
-            })),
-            ..Default::default()
-        },
-        ProcessingRequest {
-            request: Some(Request::RequestBody(HttpBody {
-                body,
-                end_of_stream: true,
-                ..Default::default()
-            })),
-            ..Default::default()
-        },
+        common::extproc::request_headers("/v1/chat/completions", 4, 4, &[]),
+        common::extproc::request_body(body, true),
     ]
 }
 

@@ -9,12 +9,11 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, ProtocolConfiguration,
+    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
 };
 use hyper_util::rt::TokioIo;
 use kv_epp::server::Server;
@@ -24,7 +23,7 @@ use tonic::Streaming;
 use tonic::codegen::http::Uri;
 use tonic::transport::{Channel, Endpoint};
 
-use common::{eventually, eventually_async, http, kv_epp_config, metric};
+use common::{eventually, eventually_async, kv_epp_config, metric};
 
 /// A connector handing tonic one socket we keep a handle to, so the test can cut the
 /// connection under open streams (what a crashed or restarted Envoy does).
@@ -91,43 +90,13 @@ impl Exchange {
     }
 }
 
-/// FULL_DUPLEX_STREAMED request headers of a chat request with a body.
+/// FULL_DUPLEX_STREAMED request headers of a completion request with a body.
 fn request_headers() -> ProcessingRequest {
-    let header = |k: &str, v: &str| HeaderValue {
-        key: k.into(),
-        value: String::new(),
-        raw_value: v.as_bytes().to_vec(),
-    };
-    ProcessingRequest {
-        protocol_config: Some(ProtocolConfiguration {
-            request_body_mode: 4,
-            response_body_mode: 4,
-            ..Default::default()
-        }),
-        request: Some(Request::RequestHeaders(HttpHeaders {
-            headers: Some(HeaderMap {
-                headers: vec![
-                    header(":method", "POST"),
-                    header(":path", "/v1/completions"),
-                    header("content-type", "application/json"),
-                ],
-            }),
-            end_of_stream: false,
-            ..Default::default()
-        })),
-        ..Default::default()
-    }
+    common::extproc::request_headers("/v1/completions", 4, 4, &[])
 }
 
 fn body(bytes: &[u8], end_of_stream: bool) -> ProcessingRequest {
-    ProcessingRequest {
-        request: Some(Request::RequestBody(HttpBody {
-            body: bytes.to_vec(),
-            end_of_stream,
-            ..Default::default()
-        })),
-        ..Default::default()
-    }
+    common::extproc::request_body(bytes.to_vec(), end_of_stream)
 }
 
 fn response_phase(r: Request) -> ProcessingRequest {
@@ -172,23 +141,16 @@ async fn start(extra: &str) -> Server {
         .unwrap()
 }
 
-async fn metrics(server: &Server) -> String {
-    http(server.metrics_addr, "GET", "/metrics", &[], b"")
-        .await
-        .unwrap()
-        .text()
-}
-
 /// Waits (30 s at most) until the `series` reads `value` on /metrics.
 async fn wait_metric(server: &Server, series: &str, value: f64) {
     let ok = eventually_async(30, move || async move {
-        metric(&metrics(server).await, series) == value
+        metric(&common::metrics_text(server.metrics_addr).await, series) == value
     })
     .await;
     assert!(
         ok,
         "{series} never became {value}:\n{}",
-        metrics(server).await
+        common::metrics_text(server.metrics_addr).await
     );
 }
 
@@ -208,7 +170,7 @@ async fn a_grpc_message_over_the_limit_gets_413_with_a_reason() {
     let (status, reason) = local_reply(&x.answer().await);
     assert_eq!((status, reason.as_str()), (413, "body-too-large"));
     wait_metric(&server, &stream_errors("message_too_large"), 1.0).await;
-    let text = metrics(&server).await;
+    let text = common::metrics_text(server.metrics_addr).await;
     assert_eq!(
         metric(
             &text,
@@ -248,7 +210,7 @@ async fn the_shared_body_budget_refuses_with_503_and_returns_to_zero() {
     b.send(body(&first, false)).await;
     let (status, reason) = local_reply(&b.answer().await);
     assert_eq!((status, reason.as_str()), (503, "rejected-buffer-full"));
-    let text = metrics(&server).await;
+    let text = common::metrics_text(server.metrics_addr).await;
     assert_eq!(metric(&text, BUFFERED), first.len() as f64);
 
     // The first stream still completes and is routed; its bytes go back after the decision.
@@ -319,7 +281,7 @@ async fn resets_are_counted_by_kind_and_release_bookings_and_bytes() {
         "bookings were not released"
     );
     // Nothing else was counted (the finished stream's reset is not an error).
-    let text = metrics(&server).await;
+    let text = common::metrics_text(server.metrics_addr).await;
     let counted: f64 = text
         .lines()
         .filter(|l| l.starts_with("kv_epp_stream_errors_total{"))

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::certs::{Leaf, TestCa, client_config, der_of, handshake, replace_file};
-use common::{http, kv_epp_config, metric};
+use common::{kv_epp_config, metric};
 use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingRequest;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use kv_epp::server::Server;
@@ -52,13 +52,6 @@ async fn channel(addr: SocketAddr, ca: &TestCa, id: &Leaf) -> Channel {
         .connect()
         .await
         .unwrap()
-}
-
-async fn metrics(server: &Server) -> String {
-    http(server.metrics_addr, "GET", "/metrics", &[], b"")
-        .await
-        .unwrap()
-        .text()
 }
 
 /// Polls `f` every 200 ms for up to 20 s (several reload intervals).
@@ -137,7 +130,7 @@ async fn mutual_tls_admits_only_certificates_from_the_client_ca() {
             .as_deref(),
         Some(WORKER)
     );
-    let m = metrics(&rig.server).await;
+    let m = common::metrics_text(rig.server.metrics_addr).await;
     assert!(
         metric(
             &m,
@@ -193,7 +186,7 @@ async fn rotated_files_reach_new_connections_while_open_streams_carry_on() {
     );
     let failed = "kv_epp_tls_reloads_total{listener=\"ext_proc\",outcome=\"failed\"}";
     until("the broken file counted", || async {
-        metric(&metrics(&rig.server).await, failed) >= 1.0
+        metric(&common::metrics_text(rig.server.metrics_addr).await, failed) >= 1.0
     })
     .await;
     assert_eq!(
@@ -211,7 +204,7 @@ async fn rotated_files_reach_new_connections_while_open_streams_carry_on() {
     .await;
     let next_gateway = new_ca.leaf(&["gateway"]);
     rig.handshake(&ca, Some(&next_gateway)).await.unwrap();
-    let m = metrics(&rig.server).await;
+    let m = common::metrics_text(rig.server.metrics_addr).await;
     assert!(
         metric(
             &m,

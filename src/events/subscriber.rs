@@ -181,19 +181,9 @@ pub struct FeedStatus {
 }
 
 impl FeedStatus {
-    /// Counts one drop.
+    /// Messages or events dropped for `why`.
     pub fn drop_count(&self, why: Dropped) -> u64 {
         self.dropped[why as usize].load(Ordering::Relaxed)
-    }
-
-    /// Connection errors of `socket` with `reason`.
-    pub fn connection_error_count(&self, socket: FeedSocket, reason: &str) -> u64 {
-        ZmtpError::REASONS
-            .iter()
-            .position(|r| *r == reason)
-            .map_or(0, |i| {
-                self.connection_errors[socket as usize][i].load(Ordering::Relaxed)
-            })
     }
 
     /// Every counter of the feed as `(family, labels, value)`: the one list both `/workers` and

@@ -19,43 +19,58 @@ pub async fn plain_channel(addr: std::net::SocketAddr) -> Channel {
         .unwrap()
 }
 
-/// The two messages of a `/v1/completions` request for `tokens` from `tenant`: headers, body.
-pub fn completion(tokens: &[u32], tenant: &str) -> [ProcessingRequest; 2] {
+/// Request headers of a POST to `path` as Envoy sends them, announcing its body modes
+/// (`ProcessingMode.BodySendMode`: 2 = BUFFERED, 4 = FULL_DUPLEX_STREAMED), with `extra` headers.
+pub fn request_headers(
+    path: &str,
+    request_body_mode: i32,
+    response_body_mode: i32,
+    extra: &[(&str, &str)],
+) -> ProcessingRequest {
     let header = |k: &str, v: &str| HeaderValue {
         key: k.into(),
         value: String::new(),
         raw_value: v.as_bytes().to_vec(),
     };
+    let mut headers = vec![
+        header(":method", "POST"),
+        header(":path", path),
+        header("content-type", "application/json"),
+    ];
+    headers.extend(extra.iter().map(|(k, v)| header(k, v)));
+    ProcessingRequest {
+        protocol_config: Some(ProtocolConfiguration {
+            request_body_mode,
+            response_body_mode,
+            ..Default::default()
+        }),
+        request: Some(Request::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap { headers }),
+            end_of_stream: false,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+/// One request body chunk.
+pub fn request_body(body: Vec<u8>, end_of_stream: bool) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(Request::RequestBody(HttpBody {
+            body,
+            end_of_stream,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+/// The two messages of a `/v1/completions` request for `tokens` from `tenant`: headers, body.
+pub fn completion(tokens: &[u32], tenant: &str) -> [ProcessingRequest; 2] {
     let body = json!({"model": "m", "prompt": tokens, "max_tokens": 1}).to_string();
     [
-        ProcessingRequest {
-            protocol_config: Some(ProtocolConfiguration {
-                request_body_mode: 2,
-                response_body_mode: 0,
-                ..Default::default()
-            }),
-            request: Some(Request::RequestHeaders(HttpHeaders {
-                headers: Some(HeaderMap {
-                    headers: vec![
-                        header(":method", "POST"),
-                        header(":path", "/v1/completions"),
-                        header("content-type", "application/json"),
-                        header("x-tenant-id", tenant),
-                    ],
-                }),
-                end_of_stream: false,
-                ..Default::default()
-            })),
-            ..Default::default()
-        },
-        ProcessingRequest {
-            request: Some(Request::RequestBody(HttpBody {
-                body: body.into_bytes(),
-                end_of_stream: true,
-                ..Default::default()
-            })),
-            ..Default::default()
-        },
+        request_headers("/v1/completions", 2, 0, &[("x-tenant-id", tenant)]),
+        request_body(body.into_bytes(), true),
     ]
 }
 

@@ -487,6 +487,14 @@ pub fn kv_epp_config(workers: &[SocketAddr], extra: &str) -> kv_epp::config::Con
 
 /// Waits (15 s at most) until `server`'s index of model `m` holds exactly `blocks` blocks of
 /// `worker`: the engine's events so far were applied.
+/// The Prometheus text kv-epp serves on its metrics port.
+pub async fn metrics_text(addr: SocketAddr) -> String {
+    http(addr, "GET", "/metrics", &[], b"")
+        .await
+        .unwrap()
+        .text()
+}
+
 /// The value of the first series in a Prometheus text exposition that starts with `series`
 /// (name and labels, e.g. `kv_epp_requests_total{model="m",outcome="routed"}`); 0 when absent.
 pub fn metric(text: &str, series: &str) -> f64 {

@@ -682,15 +682,20 @@ fn run_ops(ops: Vec<Op>) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// A reproducible proptest run: `cases` cases from a fixed seed, no failure files.
+fn seeded(cases: u32, seed: u64) -> ProptestConfig {
+    ProptestConfig {
+        cases,
+        rng_seed: proptest::test_runner::RngSeed::Fixed(seed),
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    }
+}
+
 proptest! {
     // Seeded so CI is reproducible. A random search once found a rare tier + removal sequence
     // where the index credits one block less than this model (never more); see the closing note.
-    #![proptest_config(ProptestConfig {
-        cases: 300,
-        rng_seed: proptest::test_runner::RngSeed::Fixed(0x6b76_6570),
-        failure_persistence: None,
-        ..ProptestConfig::default()
-    })]
+    #![proptest_config(seeded(300, 0x6b76_6570))]
     #[test]
     fn index_matches_naive_model(ops in prop::collection::vec(op(), 1..60)) {
         run_ops(ops)?;
@@ -1104,12 +1109,7 @@ fn run_chain_ops(ops: Vec<ChainOp>) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig {
-        cases: 400,
-        rng_seed: proptest::test_runner::RngSeed::Fixed(0x6f72_7068),
-        failure_persistence: None,
-        ..ProptestConfig::default()
-    })]
+    #![proptest_config(seeded(400, 0x6f72_7068))]
     /// Random orders of orphan continuations, untrusted roots, (partial and full)
     /// re-announcements under several salts, and removals.
     #[test]

@@ -85,6 +85,9 @@ async fn decide(client: &mut ExternalProcessorClient<Channel>, body: Vec<u8>) ->
         .expect("an answer")
         .expect("an answer");
     let elapsed = started.elapsed().as_secs_f64();
+    // Read the stream to its end, as Envoy does: a client that drops it early resets it, and
+    // thousands of resets on one connection make the HTTP/2 server send GOAWAY.
+    while let Ok(Some(_)) = answers.message().await {}
     assert!(
         matches!(first.response, Some(Response::RequestHeaders(_))),
         "expected the routing decision, got {first:?}"

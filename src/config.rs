@@ -340,9 +340,19 @@ pub struct ModelConfig {
     /// prompts are routed by prefix, text and chat prompts on load alone.
     #[serde(default)]
     pub tokenizer: Option<TokenizerSource>,
-    /// Longest prompt accepted, in tokens (400 above); unlimited when unset.
-    #[serde(default)]
+    /// Longest prompt accepted, in tokens (400 above; refused before it is tokenized whole);
+    /// [`DEFAULT_MAX_PROMPT_TOKENS`] when unset, unlimited when `null`.
+    #[serde(default = "default_max_prompt_tokens")]
     pub max_prompt_tokens: Option<usize>,
+}
+
+/// The default prompt limit: 1,048,576 tokens, above the context of nearly every served model
+/// (set it to the engine's `max_model_len` to refuse what the engine would refuse anyway), and
+/// small enough that an accepted prompt's ids fit in 4 MiB.
+pub const DEFAULT_MAX_PROMPT_TOKENS: usize = 1 << 20;
+
+fn default_max_prompt_tokens() -> Option<usize> {
+    Some(DEFAULT_MAX_PROMPT_TOKENS)
 }
 
 /// Where a model's tokenizer files are.

@@ -75,13 +75,19 @@ impl ServedModel {
 
     /// Token IDs of a text or chat request body sent to `path`, as the engine computes them:
     /// `None` when the model has no tokenizer or kv-epp does not tokenize `path` (route on load
-    /// alone). Cost: one JSON pass, one template render (chat), one tokenizer pass.
+    /// alone). Cost: one JSON pass, one template render (chat), one tokenizer pass, which stops
+    /// as soon as the prompt is known to exceed `max_prompt_tokens`.
     ///
-    /// Errors: [`TokenizeError::is_client_error`] tells the request's faults from kv-epp's.
+    /// Errors: [`TokenizeError::PromptTooLong`] over the limit (counted before the prompt was
+    /// encoded whole); [`TokenizeError::is_client_error`] tells the request's faults from
+    /// kv-epp's.
     pub fn tokenize(&self, path: &str, body: &[u8]) -> Option<Result<Vec<u32>, TokenizeError>> {
         let endpoint = Endpoint::from_path(path)?;
         let tokenizer = self.tokenizer.as_ref()?;
-        Some(parse_request(endpoint, body).and_then(|r| tokenizer.tokenize(&r.prompt)))
+        Some(
+            parse_request(endpoint, body)
+                .and_then(|r| tokenizer.tokenize_within(&r.prompt, self.max_prompt_tokens)),
+        )
     }
 }
 

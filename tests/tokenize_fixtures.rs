@@ -112,6 +112,20 @@ fn run_case(case: &Value, body: &[u8], catalogs: &mut Catalogs, dir: &Path) -> R
             window(&theirs)
         ));
     }
+    // Every exact cut point at once, without the cache: the pieces' ids must be the whole's.
+    let whole = model_tok
+        .encode_whole(&prompt, false)
+        .map_err(|e| e.to_string())?;
+    let cut = model_tok
+        .encode_at_every_cut(&prompt)
+        .map_err(|e| e.to_string())?;
+    if cut != whole {
+        return Err(format!(
+            "encoding cut at every cut point differs from the whole ({} vs {} ids)",
+            cut.len(),
+            whole.len()
+        ));
+    }
     let ids = result
         .map_err(|e| format!("tokenize failed: {e}"))?
         .token_ids;
@@ -307,6 +321,156 @@ fn segment_cache_is_exact_on_a_deepseek_style_conversation() {
             cached.encode(&prompt, false).unwrap(),
             uncached.encode(&prompt, false).unwrap(),
             "turns: {n}"
+        );
+    }
+}
+
+/// The tokenizer families of the fixtures, each with its test template: (name, files).
+fn families() -> Vec<(&'static str, TokenizerFiles)> {
+    let mut out = vec![(
+        "small-bpe",
+        TokenizerFiles::in_dir(fixtures().join("small-bpe")),
+    )];
+    match deepseek_dir() {
+        Some(dir) => out.push(("deepseek", TokenizerFiles::in_dir(dir))),
+        None if std::env::var("CI").as_deref() == Ok("true") => {
+            panic!("the deepseek tokenizer is not installed")
+        }
+        None => eprintln!("\n!!!!!!!!!! SKIPPING deepseek property cases: not installed\n"),
+    }
+    out
+}
+
+/// Pieces random texts are made of: words, whitespace runs, newlines after words and after
+/// punctuation, digits, apostrophes, CJK, combining marks, emoji, and chat markers that are added
+/// tokens in one tokenizer and plain text in the other.
+const PIECES: &[&str] = &[
+    "hello",
+    "World",
+    "x",
+    "K",
+    "\u{212a}",
+    " ",
+    "  ",
+    "\t",
+    "\n",
+    "\n\n",
+    " \n",
+    "\r\n",
+    ".",
+    ",\n",
+    ":",
+    "!\n",
+    "-",
+    "==",
+    "'s",
+    "'S",
+    "'ll",
+    "123",
+    "4567",
+    "8",
+    "你好",
+    "世界。",
+    "カタカナ",
+    "😀",
+    "é",
+    "e\u{301}",
+    "\u{1100}\u{1161}",
+    "<|im_start|>",
+    "<|im_end|>",
+    "user",
+    "assistant\n",
+    "<think>",
+    "</think>",
+    "<tool_response>",
+    "</tool_response>",
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<|begin_of_text|>",
+    "{\"a\": 1}",
+    "fn main() {",
+    "    ",
+    "_id",
+    "(x)",
+    "\\n",
+];
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 64, ..Default::default() })]
+
+    /// Encoding cut at every exact cut point equals encoding whole, and the cached path equals
+    /// both, on random texts for every fixture tokenizer family.
+    #[test]
+    fn cut_encoding_equals_whole_encoding(
+        picks in proptest::collection::vec(0..PIECES.len(), 0..600),
+    ) {
+        let text: String = picks.iter().map(|&i| PIECES[i]).collect();
+        for (name, files) in families_cached() {
+            let whole = files.encode_whole(&text, false).unwrap();
+            proptest::prop_assert_eq!(
+                &files.encode_at_every_cut(&text).unwrap(), &whole, "{} every cut", name
+            );
+            proptest::prop_assert_eq!(&files.encode(&text, false).unwrap(), &whole, "{} cached", name);
+            proptest::prop_assert_eq!(
+                files.encode(&text, true).unwrap(),
+                files.encode_whole(&text, true).unwrap(),
+                "{} with special tokens", name
+            );
+        }
+    }
+}
+
+/// The families loaded once for all property cases.
+fn families_cached() -> &'static [(&'static str, ModelTokenizer)] {
+    static LOADED: std::sync::OnceLock<Vec<(&'static str, ModelTokenizer)>> =
+        std::sync::OnceLock::new();
+    LOADED.get_or_init(|| {
+        families()
+            .into_iter()
+            .map(|(name, files)| (name, ModelTokenizer::load(&files).expect("load")))
+            .collect()
+    })
+}
+
+#[test]
+fn both_families_cut_plain_text() {
+    // The point of the cut rule: a ChatML prompt on deepseek (where `<|im_start|>` is plain
+    // text) and on small-bpe is cut between words, not only at added tokens.
+    for (name, tok) in families_cached() {
+        assert!(tok.cuts_plain_text(), "{name}");
+    }
+}
+
+#[test]
+fn prompts_over_the_limit_stop_early() {
+    use kv_epp_tokenize::TokenizeError;
+    for (name, tok) in families_cached() {
+        let text = "The quick brown fox jumps over the lazy dog\n".repeat(2000);
+        let whole = tok.encode_whole(&text, false).unwrap().len();
+        let prompt = Prompt::Text {
+            text: text.clone(),
+            add_special_tokens: false,
+        };
+        assert_eq!(
+            tok.tokenize_within(&prompt, Some(whole)).unwrap().len(),
+            whole
+        );
+        // Just over: counted to the end. Far over: the length alone, or an early stop.
+        match tok.tokenize_within(&prompt, Some(whole - 1)) {
+            Err(TokenizeError::PromptTooLong { at_least, max }) => {
+                assert_eq!((at_least, max), (whole, whole - 1), "{name}")
+            }
+            other => panic!("{name}: {other:?}"),
+        }
+        match tok.tokenize_within(&prompt, Some(100)) {
+            Err(TokenizeError::PromptTooLong { at_least, max: 100 }) => {
+                assert!(at_least > 100 && at_least < whole / 4, "{name}: {at_least}")
+            }
+            other => panic!("{name}: {other:?}"),
+        }
+        assert!(
+            tok.min_tokens(&text) > 0 && tok.min_tokens(&text) <= whole,
+            "{name}"
         );
     }
 }

@@ -426,6 +426,13 @@ pub fn understand(picker: &Picker, parts: &RequestParts<'_>) -> Result<Understoo
                 None => None,
                 Some(Ok(t)) => Some(t),
                 Some(Err(TokenizeError::UnknownModel(m))) => return Err(Reject::UnknownModel(m)),
+                Some(Err(TokenizeError::PromptTooLong { at_least, max })) => {
+                    return Err(Reject::PromptTooLong {
+                        model: model.base.clone().unwrap_or_default(),
+                        tokens: at_least,
+                        max,
+                    });
+                }
                 Some(Err(error)) if error.is_client_error() => {
                     return Err(Reject::BadPrompt {
                         model: model.base.clone().unwrap_or_default(),

@@ -38,12 +38,15 @@ pub enum Reject {
     /// The model is not served here and `unknown_model: reject` is set: 404.
     #[error("model `{0}` is not served here")]
     UnknownModel(String),
-    /// The prompt is longer than the model's `max_prompt_tokens`: 400.
-    #[error("prompt is {tokens} tokens; model `{model}` accepts at most {max}")]
+    /// The prompt is longer than the model's `max_prompt_tokens`: 400. Found before the
+    /// prompt was tokenized whole (a bound from its length, or an early stop).
+    #[error(
+        "prompt is more than {max} tokens (at least {tokens}); model `{model}` accepts at most {max}"
+    )]
     PromptTooLong {
         /// The base model.
         model: String,
-        /// Prompt tokens.
+        /// Prompt tokens counted before stopping (a lower bound of the prompt's size).
         tokens: usize,
         /// The limit.
         max: usize,

@@ -246,3 +246,41 @@ fn debug_output_never_shows_the_salt() {
     let forwarded = String::from_utf8(d.request.rewritten_body.clone().unwrap()).unwrap();
     assert!(forwarded.contains("kvepp:secret-tenant") && !forwarded.contains("secret-body"));
 }
+
+#[test]
+fn a_text_prompt_over_the_limit_is_refused_before_it_is_tokenized_whole() {
+    let fixtures = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/tokenizer/small-bpe"
+    );
+    let c = Config::from_yaml(&format!(
+        "models: [{{name: m, block_size: 4, max_prompt_tokens: 50, tokenizer: {{path: '{fixtures}'}}}}]
+workers: [{{endpoint: '10.0.0.1:8000', model: m}}]"
+    ))
+    .unwrap();
+    let r = c.picker(Arc::new(Metrics::new())).unwrap();
+    let chat = |text: String| {
+        serde_json::json!({"model": "m", "messages": [{"role": "user", "content": text}]})
+            .to_string()
+            .into_bytes()
+    };
+    let chat_parts = |b: &'static [u8]| RequestParts {
+        path: "/v1/chat/completions",
+        body: Some(b),
+        ..RequestParts::default()
+    };
+    let short: &'static [u8] = chat("hello there".into()).leak();
+    assert!(understand(&r, &chat_parts(short)).is_ok());
+    // Far over: known from the length, or after the first segments; the count is a lower bound.
+    let long: &'static [u8] = chat("many words on many lines\n".repeat(20_000)).leak();
+    let err = understand(&r, &chat_parts(long)).unwrap_err();
+    assert_eq!(err.outcome(), "rejected_prompt_too_long", "{err}");
+    assert_eq!(err.status(), 400);
+    match err {
+        Reject::PromptTooLong { tokens, max, .. } => {
+            assert_eq!(max, 50);
+            assert!(tokens > 50 && tokens < 10_000, "{tokens}");
+        }
+        other => panic!("{other}"),
+    }
+}

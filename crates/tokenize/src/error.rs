@@ -102,6 +102,15 @@ pub enum TokenizeError {
     /// `continue_final_message` could not find the final message in the rendered text.
     #[error("continue_final_message: {0}")]
     ContinueFinalMessage(&'static str),
+    /// The prompt has more tokens than the caller's limit (found before it was encoded whole:
+    /// `at_least` is what was counted when encoding stopped).
+    #[error("prompt is at least {at_least} tokens, over the limit of {max}")]
+    PromptTooLong {
+        /// Tokens counted (or bounded from the text's length) before stopping.
+        at_least: usize,
+        /// The limit.
+        max: usize,
+    },
     /// The tokenizer failed on the text (not expected for valid UTF-8; a server-side fault).
     #[error("tokenizer failed: {0}")]
     Encode(String),

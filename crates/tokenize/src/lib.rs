@@ -16,13 +16,17 @@
 //! - [`model`]: loading `tokenizer.json` / `tokenizer_config.json` once; encoding; rendering.
 //! - `template`, `pystr`, `pyjson`, `strftime`: Jinja2-under-Python semantics on minijinja.
 //! - [`json`]: an order-preserving JSON tree for tools and tool calls.
-//! - `segments`: exact reuse of token ids of prompt segments seen before (cut at special tokens).
+//! - `cuts`: where a prompt can be cut with encode(a + b) == encode(a) ++ encode(b), proved
+//!   from the tokenizer's configuration; `segments`: exact reuse of the ids of segments seen
+//!   before, and early stops; `floor`: a token lower bound from the text's length.
 //!
 //! Invariant: nothing here depends on a clock except `strftime_now`, and nothing does I/O after
 //! [`ModelTokenizer::load`].
 
 pub mod catalog;
+mod cuts;
 pub mod error;
+mod floor;
 pub mod json;
 pub mod messages;
 pub mod model;

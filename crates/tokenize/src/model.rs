@@ -17,9 +17,10 @@ use serde_json::Value as JsonValue;
 use tokenizers::Tokenizer;
 
 use super::error::{LoadError, TokenizeError};
+use super::floor::TokenFloor;
 use super::json::Json;
 use super::request::{ChatPrompt, Prompt};
-use super::segments::SegmentCache;
+use super::segments::{Encoded, SegmentCache};
 use super::template::{CONTINUE_TAG, ChatTemplate, RenderError, cut_at_continue_tag};
 
 /// Default budget of the segment cache, in tokens (about 16 MiB of ids).
@@ -77,6 +78,10 @@ pub struct ModelTokenizer {
     globals: Vec<(String, String)>,
     vocab_size: usize,
     segments: SegmentCache,
+    floor: TokenFloor,
+    /// What the post-processor puts around a single sequence, when it only adds fixed tokens
+    /// (then the segment cache serves `add_special_tokens` too).
+    specials: Option<(Vec<u32>, Vec<u32>)>,
 }
 
 impl std::fmt::Debug for ModelTokenizer {
@@ -210,6 +215,8 @@ impl ModelTokenizer {
         let template = compile(sources.0)?;
         let tool_use_template = compile(sources.1)?;
         let segments = SegmentCache::new(&tokenizer, DEFAULT_SEGMENT_CACHE_TOKENS);
+        let floor = TokenFloor::of(&tokenizer);
+        let specials = fixed_specials(&tokenizer);
         Ok(ModelTokenizer {
             tokenizer,
             template,
@@ -217,6 +224,8 @@ impl ModelTokenizer {
             globals,
             vocab_size,
             segments,
+            floor,
+            specials,
         })
     }
 
@@ -261,15 +270,27 @@ impl ModelTokenizer {
 
     /// Token ids of a prompt, exactly as the engine computes them.
     pub fn tokenize(&self, prompt: &Prompt) -> Result<Vec<u32>, TokenizeError> {
-        match prompt {
+        self.tokenize_within(prompt, None)
+    }
+
+    /// [`ModelTokenizer::tokenize`], refusing a prompt of more than `max_tokens` tokens with
+    /// [`TokenizeError::PromptTooLong`] before it is encoded whole: first from the text's
+    /// length when that alone proves it too long, then by stopping the segment-by-segment
+    /// encoding once the count passes the limit.
+    pub fn tokenize_within(
+        &self,
+        prompt: &Prompt,
+        max_tokens: Option<usize>,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let ids = match prompt {
             Prompt::Chat(chat) => {
                 let text = self.render_chat(chat)?;
-                self.encode(&text, chat.add_special_tokens)
+                self.encode_within(&text, chat.add_special_tokens, max_tokens)?
             }
             Prompt::Text {
                 text,
                 add_special_tokens,
-            } => self.encode(text, *add_special_tokens),
+            } => self.encode_within(text, *add_special_tokens, max_tokens)?,
             Prompt::TokenIds(ids) => {
                 if let Some(&id) = ids.iter().find(|&&id| id as usize >= self.vocab_size) {
                     return Err(TokenizeError::TokenOutOfVocabulary {
@@ -277,23 +298,93 @@ impl ModelTokenizer {
                         vocab_size: self.vocab_size,
                     });
                 }
-                Ok(ids.clone())
+                ids.clone()
             }
+        };
+        match max_tokens {
+            Some(max) if ids.len() > max => Err(TokenizeError::PromptTooLong {
+                at_least: ids.len(),
+                max,
+            }),
+            _ => Ok(ids),
         }
+    }
+
+    /// A lower bound on the tokens of `text` from its length alone (0 when no sound bound is
+    /// known for this tokenizer). One pass over the bytes.
+    pub fn min_tokens(&self, text: &str) -> usize {
+        self.floor.min_tokens(text)
+    }
+
+    /// Whether prompts are also cut in plain text (between words), so a next chat turn reuses
+    /// the history's ids whatever the template's markers are; otherwise only at added tokens.
+    pub fn cuts_plain_text(&self) -> bool {
+        self.segments.cuts_plain_text()
     }
 
     /// Encodes text. Special tokens written in the text (e.g. `<|im_start|>` typed by a user)
     /// become their ids, as in transformers; `add_special_tokens` runs the post-processor.
     ///
-    /// Without the post-processor, segments of the text seen before (between special tokens,
-    /// see `segments.rs`) are taken from the cache, so a conversation's next turn only encodes
-    /// what is new.
+    /// Segments of the text seen before (see `segments.rs`) are taken from the cache, so a
+    /// conversation's next turn only encodes what is new.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
-        if add_special_tokens {
-            return self.encode_uncached(text, true);
+        self.encode_within(text, add_special_tokens, None)
+    }
+
+    fn encode_within(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        max_tokens: Option<usize>,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let limit = max_tokens.unwrap_or(usize::MAX);
+        let too_long = |at_least: usize| TokenizeError::PromptTooLong {
+            at_least,
+            max: limit,
+        };
+        // The post-processor only adds tokens: the bound and the early stop hold without it.
+        let floor = self.floor.min_tokens(text);
+        if floor > limit {
+            return Err(too_long(floor));
         }
+        let (prefix, suffix): (&[u32], &[u32]) = match (&self.specials, add_special_tokens) {
+            (_, false) => (&[], &[]),
+            (Some((p, s)), true) => (p, s),
+            (None, true) => return self.encode_uncached(text, true),
+        };
+        let inner = limit.saturating_sub(prefix.len() + suffix.len());
+        match self
+            .segments
+            .encode(text, inner, |segment| self.encode_uncached(segment, false))?
+        {
+            Encoded::OverLimit(n) => Err(too_long(n + prefix.len() + suffix.len())),
+            Encoded::Ids(ids) if prefix.is_empty() && suffix.is_empty() => Ok(ids),
+            Encoded::Ids(ids) => {
+                let mut out = Vec::with_capacity(prefix.len() + ids.len() + suffix.len());
+                out.extend_from_slice(prefix);
+                out.extend_from_slice(&ids);
+                out.extend_from_slice(suffix);
+                Ok(out)
+            }
+        }
+    }
+
+    /// Encodes `text` without the post-processor in pieces cut at every point `cuts.rs` allows,
+    /// bypassing the cache. Conformance tests compare it with transformers' ids: a cut rule that
+    /// were not exact would show there.
+    pub fn encode_at_every_cut(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
         self.segments
-            .encode(text, |segment| self.encode_uncached(segment, false))
+            .encode_every_cut(text, |piece| self.encode_uncached(piece, false))
+    }
+
+    /// Encodes `text` in one call of the tokenizer, no cut, no cache: the reference the other
+    /// paths must equal (tests and benchmarks).
+    pub fn encode_whole(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        self.encode_uncached(text, add_special_tokens)
     }
 
     fn encode_uncached(
@@ -390,6 +481,50 @@ impl ModelTokenizer {
             Ok(rendered)
         }
     }
+}
+
+/// The ids a post-processor puts before and after a single sequence, when it is made only of
+/// processors that add fixed special tokens whatever the ids are (`TemplateProcessing`,
+/// `BertProcessing`, `RobertaProcessing`, `ByteLevel`, sequences of them); found by processing a
+/// one-token sequence. `None` otherwise (the caller then encodes such texts whole).
+fn fixed_specials(tokenizer: &Tokenizer) -> Option<(Vec<u32>, Vec<u32>)> {
+    fn fixed(p: &JsonValue) -> bool {
+        match p.get("type").and_then(JsonValue::as_str) {
+            Some("TemplateProcessing" | "BertProcessing" | "RobertaProcessing" | "ByteLevel") => {
+                true
+            }
+            Some("Sequence") => p["processors"]
+                .as_array()
+                .is_some_and(|all| all.iter().all(fixed)),
+            _ => false,
+        }
+    }
+    let Some(processor) = tokenizer.get_post_processor() else {
+        return Some((Vec::new(), Vec::new()));
+    };
+    if !fixed(&serde_json::to_value(processor).ok()?) {
+        return None;
+    }
+    const PROBE: u32 = u32::MAX;
+    let one = tokenizers::Encoding::new(
+        vec![PROBE],
+        vec![0],
+        vec![String::new()],
+        vec![None],
+        vec![(0, 0)],
+        vec![0],
+        vec![1],
+        Vec::new(),
+        Default::default(),
+    );
+    let ids = tokenizer
+        .post_process(one, None, true)
+        .ok()?
+        .get_ids()
+        .to_vec();
+    let at = ids.iter().position(|&id| id == PROBE)?;
+    (ids.iter().filter(|&&id| id == PROBE).count() == 1)
+        .then(|| (ids[..at].to_vec(), ids[at + 1..].to_vec()))
 }
 
 #[cfg(test)]

@@ -4,34 +4,43 @@
 //! thousand tokens/s per core here; rendering a template is ~1% of the time), and chat prompts
 //! repeat: every turn of a conversation re-sends the whole history, tenants share system prompts.
 //!
-//! Why cutting is exact: the tokenizer first splits the text on added tokens whose `normalized`
-//! flag is false (leftmost-longest matching), then normalizes, pre-tokenizes and encodes each
-//! piece on its own. So at the start of such a match, encode(a + b) == encode(a) ++ encode(b),
-//! provided the token at the cut does not reach left of its start (`lstrip`) or look at its
-//! left neighbour (`single_word`), and no step treats the first piece of the text specially
-//! (Metaspace/Prepend — the cache is off for such tokenizers) and no post-processor runs
-//! (`add_special_tokens` false, the chat default). We cut at the same matches the tokenizer
-//! finds (same pattern set, same match rule), so chat templates' `<|im_start|>`-style markers
-//! split a prompt into per-message segments. Added tokens with `normalized: true` (DeepSeek's
-//! `<｜User｜>`) are matched by the tokenizer in a second pass over the normalized pieces; when
-//! the normalizer is the identity, their matches are cut points too, by the same argument; and each segment's ids are cached under a 128-bit
-//! hash of its text. A wrong cache entry could only mis-route, never change what the engine
-//! computes, and `tests/tokenize_fixtures.rs` checks cached == uncached on every case.
+//! A prompt is cut into segments only where `cuts.rs` proves the tokenizer splits anyway, so
+//! `encode(a + b) == encode(a) ++ encode(b)` and each segment's ids can be cached under a 128-bit
+//! hash of its text alone (the same text anywhere gives the same ids): at added tokens
+//! (`<|im_start|>`, `<｜User｜>`: a segment per chat message when the template's markers are added
+//! tokens) and, whatever the template, at plain-text points between words (`word\n`, `word `)
+//! that the tokenizer's own normalizer and pre-tokenizer cannot join. Plain cuts are taken
+//! greedily, the first one at least [`MIN_SEGMENT_BYTES`] after the segment's start, so the same
+//! history is cut the same way in every later turn and segments stay large enough for the
+//! per-call overhead not to matter. The cache is off when a step treats the first piece of the
+//! text specially (Metaspace / Prepend), and the post-processor (BOS and the like) is applied
+//! by the caller on the whole. A wrong cache entry could only mis-route, never change what the
+//! engine computes, and `tests/tokenize_fixtures.rs` checks cached == uncached on every case.
+//!
+//! Encoding segment by segment also bounds cost: [`SegmentCache::encode`] stops as soon as the
+//! count passes the caller's limit, and the tokenizer's own working memory (tens of bytes per
+//! byte of text) is that of one segment, not of the whole prompt.
 //!
 //! Memory is bounded by a token budget: two generations of entries; when the current one
 //! holds half the budget it becomes the previous one (dropping the older); a hit in the
 //! previous generation is promoted. That is an LRU approximation with O(1) work per access.
+//! A prompt's new segments are remembered only once it is accepted, so refused prompts cannot
+//! flush the cache.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use aho_corasick::{AhoCorasick, MatchKind};
 use parking_lot::Mutex;
-use tokenizers::{AddedToken, Tokenizer};
+use tokenizers::Tokenizer;
 use xxhash_rust::xxh3::xxh3_128;
+
+use super::cuts::{Cutter, PlainCuts};
 
 /// Texts shorter than this are encoded directly: cutting and hashing would not pay off.
 const MIN_CACHED_TEXT: usize = 256;
+
+/// Plain-text cuts are taken at least this many bytes apart (about 250 tokens of prose).
+pub(crate) const MIN_SEGMENT_BYTES: usize = 1024;
 
 #[derive(Default)]
 struct Generations {
@@ -40,29 +49,13 @@ struct Generations {
     current_tokens: usize,
 }
 
-/// Leftmost-longest matcher over a set of added tokens, and which of them may start a segment.
-struct Cutter {
-    matcher: AhoCorasick,
-    cuttable: Vec<bool>,
-}
-
-impl Cutter {
-    fn new<'a>(tokens: impl Iterator<Item = &'a AddedToken>) -> Option<Cutter> {
-        let mut patterns = Vec::new();
-        let mut cuttable = Vec::new();
-        for token in tokens.filter(|t| !t.content.is_empty()) {
-            patterns.push(token.content.as_str());
-            // A token that begins with whitespace could overlap what its left neighbour's
-            // `rstrip` absorbs; never cut there.
-            let starts_blank = token.content.starts_with(char::is_whitespace);
-            cuttable.push(!token.lstrip && !token.single_word && !starts_blank);
-        }
-        let matcher = AhoCorasick::builder()
-            .match_kind(MatchKind::LeftmostLongest)
-            .build(&patterns)
-            .ok()?;
-        Some(Cutter { matcher, cuttable })
-    }
+/// The outcome of [`SegmentCache::encode`].
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Encoded {
+    /// Every id of the text.
+    Ids(Vec<u32>),
+    /// Encoding stopped early: the text has at least this many tokens, more than the limit.
+    OverLimit(usize),
 }
 
 /// Segment cutter and cache of one tokenizer.
@@ -74,12 +67,22 @@ pub(crate) struct SegmentCache {
     /// second split). Only used when the normalizer is the identity, so that matching them on
     /// the raw text is what the tokenizer does on the normalized text.
     normalized: Option<Cutter>,
+    /// Plain-text cut points; `None` when none are provably exact for this tokenizer.
+    plain: Option<PlainCuts>,
     capacity_tokens: usize,
     store: Mutex<Generations>,
 }
 
+/// An added-token match as the tokenizer sees it: strip extents included.
+struct Match {
+    start: usize,
+    end: usize,
+    cuttable: bool,
+}
+
 impl SegmentCache {
-    /// Prepares the cutter for `tokenizer`; `capacity_tokens == 0` disables the cache.
+    /// Prepares the cutter for `tokenizer`; `capacity_tokens == 0` disables the cache (the
+    /// text is still cut, for early stops and bounded memory).
     pub(crate) fn new(tokenizer: &Tokenizer, capacity_tokens: usize) -> SegmentCache {
         let first_piece_special =
             |json: &String| json.contains("Metaspace") || json.contains("Prepend");
@@ -89,14 +92,14 @@ impl SegmentCache {
         let normalizer = tokenizer
             .get_normalizer()
             .and_then(|n| serde_json::to_string(n).ok());
-        let enabled = capacity_tokens > 0
-            && !pre_tokenizer.as_ref().is_some_and(first_piece_special)
+        let enabled = !pre_tokenizer.as_ref().is_some_and(first_piece_special)
             && !normalizer.as_ref().is_some_and(first_piece_special);
         let identity_normalizer = match &normalizer {
             None => tokenizer.get_normalizer().is_none(),
             Some(json) => json.replace(' ', "") == r#"{"type":"Sequence","normalizers":[]}"#,
         };
         let added = tokenizer.get_added_vocabulary().get_added_tokens_decoder();
+        let has_normalized = added.values().any(|t| t.normalized);
         let (raw, normalized) = if enabled {
             (
                 Cutter::new(added.values().filter(|t| !t.normalized)),
@@ -109,48 +112,116 @@ impl SegmentCache {
         } else {
             (None, None)
         };
-        // Without any raw pattern, the normalized ones still need a (never matching) raw pass.
-        let raw = match (raw, &normalized) {
-            (None, Some(_)) => Cutter::new(std::iter::empty()),
+        // Plain cuts need to see every added-token match: with normalized added tokens under a
+        // normalizer that changes text, the raw text does not show where they match.
+        let plain = (enabled && (identity_normalizer || !has_normalized))
+            .then(|| PlainCuts::of(tokenizer))
+            .flatten();
+        // Without any raw pattern, the other cutters still need a (never matching) raw pass.
+        let raw = match (raw, normalized.is_some() || plain.is_some()) {
+            (None, true) if enabled => Cutter::new(std::iter::empty()),
             (raw, _) => raw,
         };
         SegmentCache {
             raw,
             normalized,
+            plain,
             capacity_tokens,
             store: Mutex::new(Generations::default()),
         }
     }
 
-    /// Segment boundaries of `text`: 0, every cut point, `text.len()`. `None` when the text is
-    /// not worth cutting (cache off, short text, no cut point).
-    fn boundaries(&self, text: &str) -> Option<Vec<usize>> {
-        let raw = self.raw.as_ref()?;
-        if text.len() < MIN_CACHED_TEXT {
-            return None;
-        }
-        let mut bounds = vec![0];
+    /// Whether plain-text cuts are used for this tokenizer (not only added tokens).
+    pub(crate) fn cuts_plain_text(&self) -> bool {
+        self.plain.is_some()
+    }
+
+    /// Added-token matches of `text` in order (raw ones, and normalized ones between them).
+    fn matches(&self, text: &str) -> Vec<Match> {
+        let Some(raw) = &self.raw else {
+            return Vec::new();
+        };
+        let to_match = |cutter: &Cutter, offset: usize, m: aho_corasick::Match| {
+            let (lstrip, rstrip) = cutter.strips[m.pattern().as_usize()];
+            let mut start = offset + m.start();
+            let mut end = offset + m.end();
+            if lstrip {
+                start -= text[..start].len() - text[..start].trim_end().len();
+            }
+            if rstrip {
+                end += text[end..].len() - text[end..].trim_start().len();
+            }
+            Match {
+                start,
+                end,
+                cuttable: cutter.cuttable[m.pattern().as_usize()] && m.start() + offset > 0,
+            }
+        };
+        let mut out = Vec::new();
         let mut gap_start = 0;
-        let add_normalized_cuts = |bounds: &mut Vec<usize>, from: usize, to: usize| {
+        let add_normalized = |out: &mut Vec<Match>, from: usize, to: usize| {
             if let Some(normalized) = &self.normalized {
-                bounds.extend(
+                out.extend(
                     normalized
                         .matcher
                         .find_iter(&text[from..to])
-                        .filter(|m| normalized.cuttable[m.pattern().as_usize()])
-                        .map(|m| from + m.start())
-                        .filter(|&at| at > 0),
+                        .map(|m| to_match(normalized, from, m)),
                 );
             }
         };
         for m in raw.matcher.find_iter(text) {
-            add_normalized_cuts(&mut bounds, gap_start, m.start());
-            if raw.cuttable[m.pattern().as_usize()] && m.start() > 0 {
-                bounds.push(m.start());
-            }
+            add_normalized(&mut out, gap_start, m.start());
+            out.push(to_match(raw, 0, m));
             gap_start = m.end();
         }
-        add_normalized_cuts(&mut bounds, gap_start, text.len());
+        add_normalized(&mut out, gap_start, text.len());
+        out
+    }
+
+    /// Segment boundaries of `text`: 0, every cut point taken, `text.len()`. `None` when the
+    /// text is not worth cutting (short text, no cut point).
+    fn boundaries(&self, text: &str) -> Option<Vec<usize>> {
+        if text.len() < MIN_CACHED_TEXT {
+            return None;
+        }
+        self.boundaries_every(text, MIN_SEGMENT_BYTES)
+    }
+
+    /// Segment boundaries with plain cuts at least `min_gap` bytes apart (1: every cut point).
+    fn boundaries_every(&self, text: &str, min_gap: usize) -> Option<Vec<usize>> {
+        self.raw.as_ref()?;
+        let bytes = text.as_bytes();
+        let mut bounds = vec![0];
+        // Plain cuts in bytes[from..to], which no added-token match covers.
+        let add_plain = |bounds: &mut Vec<usize>, from: usize, to: usize| {
+            let Some(plain) = &self.plain else { return };
+            let mut at = from + 1;
+            loop {
+                let last = *bounds.last().unwrap_or(&0);
+                at = at.max(last + min_gap);
+                if at >= to {
+                    return;
+                }
+                match (at..to).find(|&i| plain.allows(bytes, i)) {
+                    Some(i) => {
+                        bounds.push(i);
+                        at = i + 1;
+                    }
+                    None => return,
+                }
+            }
+        };
+        let mut gap_start = 0;
+        for m in self.matches(text) {
+            if m.start > gap_start {
+                add_plain(&mut bounds, gap_start, m.start);
+            }
+            if m.cuttable && m.start > *bounds.last().unwrap_or(&0) {
+                bounds.push(m.start);
+            }
+            gap_start = gap_start.max(m.end);
+        }
+        add_plain(&mut bounds, gap_start, text.len());
         if bounds.len() == 1 {
             return None;
         }
@@ -159,27 +230,45 @@ impl SegmentCache {
     }
 
     /// Token ids of `text` without the post-processor: cached segments are reused, the others
-    /// encoded with `encode` (one call per missing segment) and remembered.
+    /// encoded with `encode` (one call per missing segment) and, when the whole text is within
+    /// `limit`, remembered. Stops with [`Encoded::OverLimit`] once more than `limit` ids are
+    /// known.
     pub(crate) fn encode<E>(
         &self,
         text: &str,
+        limit: usize,
         encode: impl Fn(&str) -> Result<Vec<u32>, E>,
-    ) -> Result<Vec<u32>, E> {
+    ) -> Result<Encoded, E> {
         let Some(bounds) = self.boundaries(text) else {
-            return encode(text);
+            let ids = encode(text)?;
+            return Ok(if ids.len() > limit {
+                Encoded::OverLimit(ids.len())
+            } else {
+                Encoded::Ids(ids)
+            });
         };
-        let segments: Vec<&str> = bounds.windows(2).map(|w| &text[w[0]..w[1]]).collect();
-        let keys: Vec<u128> = segments.iter().map(|s| xxh3_128(s.as_bytes())).collect();
-        let mut found: Vec<Option<Arc<[u32]>>> = {
-            let mut store = self.store.lock();
-            keys.iter().map(|k| store.get(*k)).collect()
-        };
+        let mut out: Vec<u32> = Vec::new();
         let mut fresh = Vec::new();
-        for (i, slot) in found.iter_mut().enumerate() {
-            if slot.is_none() {
-                let ids: Arc<[u32]> = encode(segments[i])?.into();
-                fresh.push((keys[i], ids.clone()));
-                *slot = Some(ids);
+        for w in bounds.windows(2) {
+            let segment = &text[w[0]..w[1]];
+            let key = xxh3_128(segment.as_bytes());
+            let cached = if self.capacity_tokens > 0 {
+                self.store.lock().get(key)
+            } else {
+                None
+            };
+            match cached {
+                Some(ids) => out.extend_from_slice(&ids),
+                None => {
+                    let ids = encode(segment)?;
+                    out.extend_from_slice(&ids);
+                    if self.capacity_tokens > 0 && ids.len() <= self.capacity_tokens / 2 {
+                        fresh.push((key, Arc::<[u32]>::from(ids)));
+                    }
+                }
+            }
+            if out.len() > limit {
+                return Ok(Encoded::OverLimit(out.len()));
             }
         }
         if !fresh.is_empty() {
@@ -188,10 +277,22 @@ impl SegmentCache {
                 store.insert(key, ids, self.capacity_tokens);
             }
         }
-        let total = found.iter().flatten().map(|ids| ids.len()).sum();
-        let mut out = Vec::with_capacity(total);
-        for ids in found.iter().flatten() {
-            out.extend_from_slice(ids);
+        Ok(Encoded::Ids(out))
+    }
+
+    /// Ids of `text` encoded piece by piece at every cut point, without the cache: what tests
+    /// compare with a whole encode to check the cut rule.
+    pub(crate) fn encode_every_cut<E>(
+        &self,
+        text: &str,
+        encode: impl Fn(&str) -> Result<Vec<u32>, E>,
+    ) -> Result<Vec<u32>, E> {
+        let bounds = self
+            .boundaries_every(text, 1)
+            .unwrap_or_else(|| vec![0, text.len()]);
+        let mut out = Vec::new();
+        for w in bounds.windows(2) {
+            out.extend(encode(&text[w[0]..w[1]])?);
         }
         Ok(out)
     }
@@ -263,13 +364,12 @@ mod tests {
         assert!(!bounds.contains(&lstrip_at));
         for text in [&turn1, &turn2, &turn1, &turn2] {
             assert_eq!(
-                cache.encode(text, |s| direct(&tok, s)).unwrap(),
-                direct(&tok, text).unwrap()
+                cache.encode(text, usize::MAX, |s| direct(&tok, s)).unwrap(),
+                Encoded::Ids(direct(&tok, text).unwrap())
             );
         }
-        // A short text is encoded directly; a disabled cache cuts nothing.
+        // A short text is encoded directly.
         assert!(cache.boundaries("<|im_start|>user\nhi").is_none());
-        assert!(SegmentCache::new(&tok, 0).boundaries(&turn2).is_none());
         // small-bpe has an NFC normalizer: normalized tokens are never cut points.
         assert!(cache.normalized.is_none());
     }

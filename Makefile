@@ -51,6 +51,8 @@ bench: tools
 	$(CARGO) bench --bench core -- $(if $(TRACE),--trace $(TRACE),)
 	$(CARGO) bench --bench replica
 	$(CARGO) bench --bench decode
+	KV_EPP_VENV=$(CURDIR)/.venv $(CARGO) bench --bench tokenize
+	KV_EPP_VENV=$(CURDIR)/.venv $(CARGO) bench --bench tokenize_memory
 	$(CARGO) bench --bench decide_lanes
 	$(CARGO) bench --bench extproc_load
 	KV_EPP_VENV=$(CURDIR)/.venv $(CARGO) bench --bench e2e

@@ -241,6 +241,12 @@ pub struct RoutingConfig {
     /// Request body bytes buffered across all streams at once (503 for a stream whose next chunk
     /// would exceed it); at least `max_body_bytes`.
     pub max_buffered_body_bytes: usize,
+    /// Decisions of bodies under 64 KiB running at once, each on its own blocking thread
+    /// (0 = one per available core).
+    pub decision_threads: usize,
+    /// Decisions of larger bodies running at once (0 = half of `decision_threads`, at least 1),
+    /// so huge prompts never take every thread from short requests.
+    pub large_body_decision_threads: usize,
 }
 
 impl Default for RoutingConfig {
@@ -254,6 +260,8 @@ impl Default for RoutingConfig {
             conformance_hooks: false,
             stream_idle_timeout_ms: 30_000,
             max_buffered_body_bytes: 256 << 20,
+            decision_threads: 0,
+            large_body_decision_threads: 0,
         }
     }
 }

@@ -266,6 +266,8 @@ impl Server {
         };
         let limits = StreamLimits {
             idle_before_decision: Duration::from_millis(config.routing.stream_idle_timeout_ms),
+            decision_threads: config.routing.decision_threads,
+            large_body_decision_threads: config.routing.large_body_decision_threads,
         };
         let service = ExternalProcessorServer::new(ExtProcService::new(
             picker.clone(),

@@ -5,7 +5,7 @@
 //! health check and event feed sharing the I/O thread. So the message that makes the decision runs
 //! on tokio's blocking pool, gated by one of two semaphores chosen by the body's size: a small
 //! lane (bodies under [`SMALL_BODY_BYTES`]) with one permit per core, and a large lane with half
-//! as many, so a few huge prompts can occupy at most half the cores and a short chat request
+//! as many (both configurable), so a few huge prompts can occupy at most half the cores and a short chat request
 //! never waits in line behind them. A caller waiting for a permit waits asynchronously (no thread
 //! is held), and the permits bound the threads decisions use.
 
@@ -29,13 +29,21 @@ pub(crate) struct DecisionLanes {
 pub(crate) struct LaneError(String);
 
 impl DecisionLanes {
-    /// Lanes sized to the machine: one small-lane permit per available core, half as many (at
-    /// least one) for large bodies.
-    pub(crate) fn for_machine() -> Self {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    /// Lanes of `small` and `large` permits (`routing.decision_threads` and
+    /// `routing.large_body_decision_threads`); 0 sizes them to the machine: one small-lane
+    /// permit per available core, half as many (at least one) for large bodies.
+    pub(crate) fn new(small: usize, large: usize) -> Self {
+        let small = match small {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        };
+        let large = match large {
+            0 => (small / 2).max(1),
+            n => n,
+        };
         DecisionLanes {
-            small: Arc::new(Semaphore::new(cores)),
-            large: Arc::new(Semaphore::new((cores / 2).max(1))),
+            small: Arc::new(Semaphore::new(small)),
+            large: Arc::new(Semaphore::new(large)),
         }
     }
 
@@ -71,10 +79,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_small_request_runs_while_the_large_lane_is_full() {
-        let lanes = DecisionLanes {
-            small: Arc::new(Semaphore::new(1)),
-            large: Arc::new(Semaphore::new(1)),
-        };
+        let lanes = DecisionLanes::new(1, 1);
+        assert_eq!(DecisionLanes::new(6, 0).large.available_permits(), 3);
         let (release, wait) = std::sync::mpsc::channel::<()>();
         let (started, started_rx) = tokio::sync::oneshot::channel();
         let big = {

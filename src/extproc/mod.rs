@@ -28,6 +28,10 @@ use stream::{StreamHandler, StreamOptions};
 pub struct StreamLimits {
     /// Longest wait for Envoy's next message before the decision (408 after it).
     pub idle_before_decision: Duration,
+    /// Decisions of small bodies running at once (0 = one per core).
+    pub decision_threads: usize,
+    /// Decisions of large bodies running at once (0 = half of the small lane's, at least 1).
+    pub large_body_decision_threads: usize,
 }
 
 /// The ext_proc service.
@@ -52,7 +56,7 @@ impl ExtProcService {
             metrics,
             opts,
             limits,
-            lanes: DecisionLanes::for_machine(),
+            lanes: DecisionLanes::new(limits.decision_threads, limits.large_body_decision_threads),
         }
     }
 }

@@ -291,22 +291,44 @@ impl ModelTokenizer {
                 text,
                 add_special_tokens,
             } => self.encode_within(text, *add_special_tokens, max_tokens)?,
+            Prompt::TokenIds(ids) => self.check_ids(ids)?.to_vec(),
+        };
+        within(ids, max_tokens)
+    }
+
+    /// [`ModelTokenizer::tokenize_within`] taking the prompt: a chat's messages are dropped
+    /// once rendered, before encoding, so they and the ids are never held at once.
+    pub fn tokenize_owned(
+        &self,
+        prompt: Prompt,
+        max_tokens: Option<usize>,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let ids = match prompt {
+            Prompt::Chat(chat) => {
+                let text = self.render_chat(&chat)?;
+                let add_special_tokens = chat.add_special_tokens;
+                drop(chat);
+                self.encode_within(&text, add_special_tokens, max_tokens)?
+            }
+            Prompt::Text {
+                text,
+                add_special_tokens,
+            } => self.encode_within(&text, add_special_tokens, max_tokens)?,
             Prompt::TokenIds(ids) => {
-                if let Some(&id) = ids.iter().find(|&&id| id as usize >= self.vocab_size) {
-                    return Err(TokenizeError::TokenOutOfVocabulary {
-                        id,
-                        vocab_size: self.vocab_size,
-                    });
-                }
-                ids.clone()
+                self.check_ids(&ids)?;
+                ids
             }
         };
-        match max_tokens {
-            Some(max) if ids.len() > max => Err(TokenizeError::PromptTooLong {
-                at_least: ids.len(),
-                max,
+        within(ids, max_tokens)
+    }
+
+    fn check_ids<'a>(&self, ids: &'a [u32]) -> Result<&'a [u32], TokenizeError> {
+        match ids.iter().find(|&&id| id as usize >= self.vocab_size) {
+            Some(&id) => Err(TokenizeError::TokenOutOfVocabulary {
+                id,
+                vocab_size: self.vocab_size,
             }),
-            _ => Ok(ids),
+            None => Ok(ids),
         }
     }
 
@@ -480,6 +502,17 @@ impl ModelTokenizer {
         } else {
             Ok(rendered)
         }
+    }
+}
+
+/// `ids`, or [`TokenizeError::PromptTooLong`] when there are more than `max_tokens`.
+fn within(ids: Vec<u32>, max_tokens: Option<usize>) -> Result<Vec<u32>, TokenizeError> {
+    match max_tokens {
+        Some(max) if ids.len() > max => Err(TokenizeError::PromptTooLong {
+            at_least: ids.len(),
+            max,
+        }),
+        _ => Ok(ids),
     }
 }
 

@@ -247,8 +247,11 @@ impl SegmentCache {
                 Encoded::Ids(ids)
             });
         };
-        let mut out: Vec<u32> = Vec::new();
-        let mut fresh = Vec::new();
+        // Each segment's ids are kept as they come (cached ones are shared, not copied) and
+        // copied once into an output of the exact size: two copies of the ids at most, never
+        // the three a doubling vector holds while it grows.
+        let mut chunks: Vec<(u128, Arc<[u32]>, bool)> = Vec::with_capacity(bounds.len() - 1);
+        let mut total = 0usize;
         for w in bounds.windows(2) {
             let segment = &text[w[0]..w[1]];
             let key = xxh3_128(segment.as_bytes());
@@ -257,24 +260,26 @@ impl SegmentCache {
             } else {
                 None
             };
-            match cached {
-                Some(ids) => out.extend_from_slice(&ids),
-                None => {
-                    let ids = encode(segment)?;
-                    out.extend_from_slice(&ids);
-                    if self.capacity_tokens > 0 && ids.len() <= self.capacity_tokens / 2 {
-                        fresh.push((key, Arc::<[u32]>::from(ids)));
-                    }
-                }
-            }
-            if out.len() > limit {
-                return Ok(Encoded::OverLimit(out.len()));
+            let (ids, fresh) = match cached {
+                Some(ids) => (ids, false),
+                None => (Arc::<[u32]>::from(encode(segment)?), true),
+            };
+            total += ids.len();
+            chunks.push((key, ids, fresh));
+            if total > limit {
+                return Ok(Encoded::OverLimit(total));
             }
         }
-        if !fresh.is_empty() {
+        let mut out = Vec::with_capacity(total);
+        for (_, ids, _) in &chunks {
+            out.extend_from_slice(ids);
+        }
+        if self.capacity_tokens > 0 && chunks.iter().any(|c| c.2) {
             let mut store = self.store.lock();
-            for (key, ids) in fresh {
-                store.insert(key, ids, self.capacity_tokens);
+            for (key, ids, fresh) in chunks {
+                if fresh && ids.len() <= self.capacity_tokens / 2 {
+                    store.insert(key, ids, self.capacity_tokens);
+                }
             }
         }
         Ok(Encoded::Ids(out))

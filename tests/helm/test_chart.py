@@ -329,6 +329,8 @@ FULL_CONFIG = {
         "conformance_hooks": True,
         "stream_idle_timeout_ms": 15000,
         "max_buffered_body_bytes": 134217728,
+        "decision_threads": 4,
+        "large_body_decision_threads": 1,
     },
     "scoring": {
         "prefix_weight": 4.5,
@@ -348,7 +350,7 @@ FULL_CONFIG = {
             "lora_adapters": ["support-bot", "sql-bot"],
             "tokenizer": {"path": "/tokenizers/llama-3.1-8b"},
         },
-        {"name": "Qwen/Qwen3-0.6B", "block_size": 32},
+        {"name": "Qwen/Qwen3-0.6B", "block_size": 32, "max_prompt_tokens": 40960},
     ],
     "events": {"engine": "", "zmq": {"port": 6000, "replay_port": 0, "topic": "kv"}, "trtllm": {"poll_interval_ms": 100}},
     "workers": [{"endpoint": "10.0.0.11:8000", "model": "Qwen/Qwen3-0.6B", "dp_rank": 1}],

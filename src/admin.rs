@@ -375,6 +375,7 @@ fn explanation(d: &Decision, feeds: &FeedStates) -> Value {
         "local": r.hashes.local.iter().map(|h| h.0).collect::<Vec<_>>(),
         "sequence": r.hashes.sequence.iter().map(|h| h.0).collect::<Vec<_>>(),
         "tokenize_failure": r.tokenize_failure.as_ref().map(ToString::to_string),
+        "unrenderable": r.unrenderable_reason(),
         "pick": d.pick.endpoint.to_string(),
         "pick_dp_rank": d.pick.dp_rank,
         "fallbacks": d.fallbacks.iter().map(|w| w.endpoint.to_string()).collect::<Vec<_>>(),

@@ -11,8 +11,8 @@ use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use crate::decide::UnknownModel;
 use crate::decide::{Picker, Policy};
+pub use crate::decide::{UnknownModel, UnrenderableRequests};
 use crate::discovery::DiscoverySettings;
 pub use crate::discovery::{DEFAULT_MODEL_LABEL, PoolApiVersion, PoolConfig};
 pub use crate::events::EventEngine;
@@ -241,6 +241,10 @@ pub struct RoutingConfig {
     /// Request body bytes buffered across all streams at once (503 for a stream whose next chunk
     /// would exceed it); at least `max_body_bytes`.
     pub max_buffered_body_bytes: usize,
+    /// Requests kv-epp cannot render exactly as the engine would (template errors, options or
+    /// inputs it does not reproduce): `load_only` (default) routes them on load alone and
+    /// counts them in `kv_epp_unrenderable_total{reason}`; `reject` answers 400.
+    pub unrenderable: UnrenderableRequests,
 }
 
 impl Default for RoutingConfig {
@@ -254,6 +258,7 @@ impl Default for RoutingConfig {
             conformance_hooks: false,
             stream_idle_timeout_ms: 30_000,
             max_buffered_body_bytes: 256 << 20,
+            unrenderable: UnrenderableRequests::LoadOnly,
         }
     }
 }
@@ -405,6 +410,7 @@ impl Config {
             max_inflight: (self.routing.max_inflight_per_worker > 0)
                 .then_some(self.routing.max_inflight_per_worker),
             unknown_model: self.routing.unknown_model,
+            unrenderable: self.routing.unrenderable,
             salt: self.salt.policy(),
             fingerprints: self
                 .salt

@@ -64,6 +64,12 @@ pub struct Metrics {
     /// TLS handshakes refused or timed out, by listener (e.g. a client without an accepted
     /// certificate).
     pub tls_handshake_failures: Family<Labels, Counter>,
+    /// Requests kv-epp could not render exactly as the engine would, by model and `reason`
+    /// (`kv_epp_tokenize::Unrenderable` labels); routed on load alone, or refused under
+    /// `routing.unrenderable: reject`.
+    pub unrenderable: Family<Labels, Counter>,
+    /// (model, reason) pairs already logged: each is logged once per process.
+    unrenderable_logged: parking_lot::Mutex<std::collections::HashSet<(String, &'static str)>>,
 }
 
 impl Default for Metrics {
@@ -202,8 +208,16 @@ impl Metrics {
             "TLS handshakes refused or timed out, by listener",
             tls_handshake_failures.clone(),
         );
+        let unrenderable = Family::<Labels, Counter>::default();
+        registry.register(
+            "unrenderable",
+            "Requests kv-epp could not render exactly as the engine would, by model and reason",
+            unrenderable.clone(),
+        );
         Metrics {
             registry,
+            unrenderable,
+            unrenderable_logged: Default::default(),
             admin_unauthenticated,
             metrics_unauthenticated,
             tls_reloads,
@@ -249,6 +263,18 @@ impl Metrics {
         self.requests
             .get_or_create(&Self::labels(&[("model", model), ("outcome", outcome)]))
             .inc();
+    }
+
+    /// Counts a request kv-epp could not render exactly (`reason`) and says whether this is
+    /// the first for its (model, reason), which the caller logs. The set is bounded: models are
+    /// configured names (or `unknown`) and reasons a closed list.
+    pub fn unrenderable(&self, model: &str, reason: &'static str) -> bool {
+        self.unrenderable
+            .get_or_create(&Self::labels(&[("model", model), ("reason", reason)]))
+            .inc();
+        self.unrenderable_logged
+            .lock()
+            .insert((model.to_owned(), reason))
     }
 
     /// The text exposition.

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
-pub use picker::{Picker, Policy, UnknownModel};
+pub use picker::{Picker, Policy, UnknownModel, UnrenderableRequests};
 pub use reject::{ROUTED, Reject, TOKENIZE_FAILED};
 
 use crate::forward::rewrite_salt;
@@ -147,6 +147,20 @@ pub struct Understood {
     /// Tokenization failed on kv-epp's side (not the client's): the request routes on load
     /// alone.
     pub tokenize_failure: Option<TokenizeError>,
+    /// kv-epp cannot render the request exactly as the engine would (its
+    /// `TokenizeError::unrenderable` reason) and the policy is `load_only`: the request routes
+    /// on load alone and the engine decides whether it is valid.
+    pub unrenderable: Option<TokenizeError>,
+}
+
+impl Understood {
+    /// The `reason` label of [`Understood::unrenderable`].
+    pub fn unrenderable_reason(&self) -> Option<&'static str> {
+        self.unrenderable
+            .as_ref()
+            .and_then(TokenizeError::unrenderable)
+            .map(|r| r.label())
+    }
 }
 
 impl Understood {
@@ -175,6 +189,7 @@ impl fmt::Debug for Understood {
                 &self.rewritten_body.as_ref().map(Vec::len),
             )
             .field("tokenize_failure", &self.tokenize_failure)
+            .field("unrenderable", &self.unrenderable)
             .finish()
     }
 }
@@ -419,6 +434,7 @@ pub fn understand(picker: &Picker, parts: &RequestParts<'_>) -> Result<Understoo
         lora: resolved.and_then(|r| r.lora.map(str::to_owned)),
     };
     let mut tokenize_failure = None;
+    let mut unrenderable = None;
     let tokens = match (parsed.as_ref().map(|p| &p.prompt), parts.body) {
         (Some(Prompt::TokenIds(t)), _) => Some(t.clone()),
         (Some(_), Some(bytes)) => {
@@ -426,6 +442,15 @@ pub fn understand(picker: &Picker, parts: &RequestParts<'_>) -> Result<Understoo
                 None => None,
                 Some(Ok(t)) => Some(t),
                 Some(Err(TokenizeError::UnknownModel(m))) => return Err(Reject::UnknownModel(m)),
+                Some(Err(error))
+                    if error.unrenderable().is_some()
+                        && picker.policy.unrenderable == UnrenderableRequests::LoadOnly =>
+                {
+                    // The engine may accept what kv-epp cannot render exactly: let it decide,
+                    // routing on load alone (no prefix credit from a prompt we would get wrong).
+                    unrenderable = Some(error);
+                    None
+                }
                 Some(Err(error)) if error.is_client_error() => {
                     return Err(Reject::BadPrompt {
                         model: model.base.clone().unwrap_or_default(),
@@ -474,6 +499,7 @@ pub fn understand(picker: &Picker, parts: &RequestParts<'_>) -> Result<Understoo
         hashes,
         rewritten_body,
         tokenize_failure,
+        unrenderable,
     })
 }
 

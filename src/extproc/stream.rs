@@ -462,6 +462,19 @@ impl StreamHandler {
             let base = request.model.base.as_deref().unwrap_or("unknown");
             metrics.request(base, TOKENIZE_FAILED);
         }
+        if let Some(reason) = request.unrenderable_reason() {
+            // The error text may quote the request (a template's message): never logged.
+            let base = request.model.base.as_deref().unwrap_or("unknown");
+            if metrics.unrenderable(base, reason) {
+                tracing::warn!(
+                    model = base,
+                    reason,
+                    "kv-epp cannot render such requests exactly as the engine would; routing \
+                     them on load alone (logged once per model and reason, counted in \
+                     kv_epp_unrenderable_total; routing.unrenderable: reject refuses them)"
+                );
+            }
+        }
         let mut decision = match decide::decide_understood(&self.picker, request, &parts) {
             Ok(d) => d,
             Err(reject) => return self.refuse(&reject),

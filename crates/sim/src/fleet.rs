@@ -189,6 +189,7 @@ fn picker(spec: &FleetSpec, ids: &[WorkerId], cfg: &ScoringConfig) -> Picker {
         scoring: cfg.clone(),
         max_inflight: None,
         unknown_model: UnknownModel::LoadOnly,
+        unrenderable: decide::UnrenderableRequests::LoadOnly,
         salt: SaltPolicy::default(),
         fingerprints: FingerprintKey::from_passphrase("kv-epp-sim"),
     };

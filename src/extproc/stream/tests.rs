@@ -595,3 +595,59 @@ fn the_response_is_done_at_its_end_of_stream() {
     .unwrap();
     assert!(h.response_done());
 }
+
+#[test]
+fn an_unrenderable_chat_is_routed_on_load_and_counted_by_reason() {
+    let fixtures = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokenizer");
+    let yaml = format!(
+        "models: [{{name: m, block_size: 4, tokenizer: {{path: '{fixtures}/small-bpe', chat_template: '{fixtures}/templates/llama3.jinja'}}}}]
+workers: [{{endpoint: '10.0.0.1:8000', model: m}}]"
+    );
+    let c = Config::from_yaml(&yaml).unwrap();
+    c.validate().unwrap();
+    let metrics = Arc::new(Metrics::new());
+    let r = Rig {
+        picker: Arc::new(c.picker(metrics.clone()).unwrap()),
+        metrics,
+    };
+    // llama3 raises on a conversation that starts with the assistant; vLLM would answer 400
+    // itself, kv-epp lets it decide.
+    let raises = br#"{"model":"m","messages":[{"role":"assistant","content":"a"},{"role":"user","content":"b"}]}"#;
+    for _ in 0..2 {
+        let mut h = r.handler();
+        h.on_message(headers(
+            &[(":path", "/v1/chat/completions")],
+            false,
+            FULL_DUPLEX,
+        ))
+        .unwrap();
+        let out = h.on_message(body(raises, true)).unwrap();
+        let (dest, _, bytes, _, _) = routing_of(&out);
+        assert_eq!(dest, "10.0.0.1:8000");
+        assert_eq!(bytes, raises);
+    }
+    let text = r.metrics.encode();
+    assert!(
+        text.contains(r#"kv_epp_unrenderable_total{model="m",reason="template_rejected"} 2"#),
+        "{text}"
+    );
+    assert!(
+        !r.metrics.unrenderable("m", "template_rejected"),
+        "logged once per model and reason"
+    );
+    let mut h = r.handler();
+    h.on_message(headers(
+        &[(":path", "/v1/chat/completions")],
+        false,
+        FULL_DUPLEX,
+    ))
+    .unwrap();
+    let out = h
+        .on_message(body(br#"{"model":"m","messages":[]}"#, true))
+        .unwrap();
+    assert_eq!(
+        immediate_status(&out).map(|i| i.0),
+        Some(400),
+        "malformed stays 400"
+    );
+}

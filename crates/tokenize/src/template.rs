@@ -238,3 +238,48 @@ mod tests {
         assert_eq!(cut_at_continue_tag("<a>hi</a>", "hi"), None);
     }
 }
+
+#[cfg(test)]
+mod variable_tests {
+    use super::*;
+
+    /// The variables vLLM's `_resolve_chat_template_kwargs` (jinja2's
+    /// `find_undeclared_variables`) finds in these templates; kwargs outside them are dropped.
+    #[test]
+    fn undeclared_variables_as_jinja2_finds_them() {
+        let cases: [(&str, &[&str]); 5] = [
+            (
+                "{% macro f(a) %}{{ a }}{{ in_macro }}{% endmacro %}{{ f(1) }}",
+                &["in_macro"],
+            ),
+            (
+                "{% if flag is defined and flag %}{{ x }}{% endif %}{% set y = 1 %}{{ y }}",
+                &["flag", "x"],
+            ),
+            (
+                "{% set ns = namespace(a=seed) %}{% for m in messages %}{{ m.content }}{% endfor %}",
+                &["seed", "messages"],
+            ),
+            (
+                "{% if date is not defined %}{% set date = 'd' %}{% endif %}{{ date }}",
+                &["date"],
+            ),
+            (
+                "{% for i in items %}{{ loop.index }}{% endfor %}",
+                &["items"],
+            ),
+        ];
+        for (src, want) in cases {
+            let t = ChatTemplate::compile(src.to_owned()).unwrap();
+            for name in want {
+                assert!(t.variables().contains(*name), "{src}: {name} missing");
+            }
+            for name in ["y", "a", "m", "i", "loop"] {
+                assert!(
+                    !t.variables().contains(name),
+                    "{src}: {name} is not undeclared"
+                );
+            }
+        }
+    }
+}

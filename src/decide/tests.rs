@@ -305,4 +305,25 @@ fn unrenderable_requests_route_on_load_or_are_refused_as_configured() {
         assert_eq!(e.status(), 400);
     }
     assert!(Config::from_yaml("routing: {unrenderable: maybe}").is_err());
+
+    // /v1/responses: messages are tokenized; items not mapped yet route on load, counted.
+    let responses = |body: &'static [u8]| RequestParts {
+        path: "/v1/responses",
+        body: Some(body),
+        ..RequestParts::default()
+    };
+    let d = decide(
+        &load_only,
+        &responses(br#"{"model":"m","input":"hi","instructions":"be brief"}"#),
+    )
+    .unwrap();
+    assert!(d.request.tokens.as_ref().is_some_and(|t| !t.is_empty()));
+    let d = decide(
+        &load_only,
+        &responses(
+            br#"{"model":"m","input":[{"type":"function_call_output","call_id":"c","output":"x"}]}"#,
+        ),
+    )
+    .unwrap();
+    assert_eq!(d.request.unrenderable_reason(), Some("responses_input"));
 }

@@ -329,6 +329,7 @@ FULL_CONFIG = {
         "conformance_hooks": True,
         "stream_idle_timeout_ms": 15000,
         "max_buffered_body_bytes": 134217728,
+        "unrenderable": "reject",
     },
     "scoring": {
         "prefix_weight": 4.5,

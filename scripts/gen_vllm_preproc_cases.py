@@ -30,7 +30,8 @@ for the message items used here its code takes the same values either way).
 Each case: name, tokenizer ("small-bpe"), template (file under templates/, or "chatml" = the
 tokenizer_config's own), endpoint ("chat" | "responses"), request (the body), content_format
 (vLLM's detection for the template), date_string (the server's default template kwarg, when
-the template reads it), and `vllm`: {"prompt", "ids"} or {"error", "stage"}:
+the template reads it), and `vllm`: {"prompt", "ids"} ("prompt" null when vLLM used the
+prefill stage's `kv_transfer_params.prompt_token_ids` instead of rendering) or {"error", "stage"}:
   stage "validation": vLLM refuses the request before rendering (400);
   stage "untrusted_template": the request carries a chat template the server does not trust;
   stage "template": the chat template raised while rendering (vLLM answers 400).
@@ -219,7 +220,11 @@ class Vllm:
             "_reject_reserved_placeholder_in_text", "parse_chat_message_content_mm_part",
             "parse_chat_message_content_part", "parse_chat_message_content_parts", "_strip_claude_code_billing_header",
             "parse_chat_message_content", "_postprocess_messages", "parse_chat_messages",
+            "_TEXT_CONTENT_PART_TYPES", "_MEDIA_CONTENT_PART_KEYS", "has_non_text_content",
         ], msg_env)
+        self.reused = extract(src, "vllm/renderers/online_renderer.py", ["_reused_prompt_token_ids"],
+                              {**common, "has_non_text_content": self.msgs["has_non_text_content"]})[
+            "_reused_prompt_token_ids"]
         resp_env = {**common, "FunctionDefinition": gen["FunctionDefinition"],
                     "ChatCompletionToolsParam": chat["ChatCompletionToolsParam"], "merge_kwargs": params["merge_kwargs"],
                     "map_reasoning_effort": params["map_reasoning_effort"], "ChatParams": params["ChatParams"],
@@ -292,6 +297,20 @@ class Vllm:
         if error is not None:
             return {"error": error, "stage": "untrusted_template"}
         tool_dicts = None if tools is None else [t.model_dump() for t in tools]
+        # preprocess_chat: decode-side reuse of forwarded prompt ids skips rendering.
+        req.kv_transfer_params = data.get("kv_transfer_params")
+        req.echo = data.get("echo", False)
+
+        def validate_token_ids(ids, parameter):
+            if any(i >= len(tokenizer) for i in ids):
+                raise self.ValidationError(f"{parameter}: token id out of vocabulary")
+
+        try:
+            reused = self.reused(req, SimpleNamespace(validate_token_ids=validate_token_ids), data["messages"])
+        except self.ValidationError as e:
+            return {"error": str(e), "stage": "validation"}
+        if reused:
+            return {"prompt": None, "ids": reused}
         params = self.chat["build_chat_params"](req, template, "auto", reasoning_effort_map={})
         params = self.with_server_defaults(params, tool_dicts, server_kwargs)
         return self.render(tokenizer, data["messages"], params, req.add_special_tokens)
@@ -449,6 +468,17 @@ def build_cases(v: Vllm, tok, templates) -> list[dict]:
     add("chat/content/untyped-part", "chatml", "chat", {"messages": [{"role": "user", "content": [{"text": "x"}]}]})
     add("chat/content/openai-format-template", "openai-content", "chat", {"messages": [SYS, user]},
         gap="content_format")
+    # disaggregated serving: the prefill stage's ids are used as they are
+    kv = {"kv_transfer_params": {"do_remote_prefill": True, "prompt_token_ids": [5, 6, 7, 8]}}
+    add("chat/kv-transfer/reused-ids", "chatml", "chat", {"messages": [user], **kv})
+    add("chat/kv-transfer/echo-renders", "chatml", "chat", {"messages": [user], "echo": True, **kv})
+    add("chat/kv-transfer/media-renders", "chatml", "chat",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"},
+                                                   {"type": "image_url", "image_url": {"url": "u"}}]}], **kv})
+    add("chat/kv-transfer/bad-ids", "chatml", "chat",
+        {"messages": [user], "kv_transfer_params": {"prompt_token_ids": [1, -2]}})
+    add("chat/kv-transfer/out-of-vocabulary", "chatml", "chat",
+        {"messages": [user], "kv_transfer_params": {"prompt_token_ids": [1, 999999]}})
     add("chat/template/raise", "llama3", "chat", {"messages": [{"role": "assistant", "content": "first"}, user]})
 
     # /v1/responses

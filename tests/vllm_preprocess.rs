@@ -39,16 +39,18 @@ fn tokenizer(template: &str, date: Option<&str>) -> ModelTokenizer {
     tok
 }
 
+/// The rendered prompt (`None` when the body's forwarded token ids are used) and the ids.
 fn run(
     tok: &ModelTokenizer,
     endpoint: Endpoint,
     body: &[u8],
-) -> Result<(String, Vec<u32>), TokenizeError> {
+) -> Result<(Option<String>, Vec<u32>), TokenizeError> {
     let parsed = parse_request(endpoint, body)?;
-    let Prompt::Chat(chat) = &parsed.prompt else {
-        unreachable!("chat and responses bodies are chats")
+    let prompt = match &parsed.prompt {
+        Prompt::Chat(chat) => Some(tok.render_chat(chat)?),
+        Prompt::TokenIds(_) => None,
+        Prompt::Text { .. } => unreachable!("chat and responses bodies are chats"),
     };
-    let prompt = tok.render_chat(chat)?;
     Ok((prompt, tok.tokenize(&parsed.prompt)?))
 }
 
@@ -79,7 +81,7 @@ fn check(case: &Value, request: &Json, tok: &ModelTokenizer) -> Result<(), Strin
         };
     }
     let (prompt, ids) = ours.map_err(|e| format!("vLLM renders it, kv-epp fails: {e}"))?;
-    if prompt != vllm["prompt"].as_str().unwrap() {
+    if prompt.as_deref() != vllm["prompt"].as_str() {
         return Err(format!(
             "prompt differs:\n  ours: {prompt:?}\n  vLLM: {:?}",
             vllm["prompt"]

@@ -10,7 +10,8 @@
 //! worker and the first prompt is the one the engine schedules first.
 //!
 //! Chat and responses bodies then go through vLLM's own request preprocessing (`vllm.rs`):
-//! tools re-serialised, reasoning effort, request fields over `chat_template_kwargs`.
+//! tools re-serialised, reasoning effort, request fields over `chat_template_kwargs`; a chat
+//! with the prefill stage's `kv_transfer_params.prompt_token_ids` is those ids, as in vLLM.
 //! `/v1/responses` (`responses.rs`): `input` as a string or a list of messages,
 //! `instructions`, function tools, `reasoning.effort`; other input items route on load.
 
@@ -107,6 +108,81 @@ struct WireChat {
     chat_template: Json,
     #[serde(default)]
     reasoning_effort: Json,
+    #[serde(default)]
+    kv_transfer_params: Json,
+    #[serde(default)]
+    echo: Option<bool>,
+}
+
+/// `has_non_text_content` (`vllm/renderers/chat_utils/chat_message.py`): a content part with a
+/// media key, a non-string `type` or a type that is not text; or a prompt-embeds reasoning.
+fn has_non_text_content(messages: &Json) -> bool {
+    const MEDIA_KEYS: [&str; 10] = [
+        "input_image",
+        "image_url",
+        "image_embeds",
+        "audio_embeds",
+        "video_embeds",
+        "prompt_embeds",
+        "image_pil",
+        "audio_url",
+        "input_audio",
+        "video_url",
+    ];
+    const TEXT_TYPES: [&str; 6] = [
+        "text",
+        "input_text",
+        "output_text",
+        "refusal",
+        "thinking",
+        "tool_reference",
+    ];
+    let Json::Array(messages) = messages else {
+        return false;
+    };
+    messages.iter().any(|m| {
+        let embeds = ["reasoning", "reasoning_content"].iter().any(|f| {
+            m.get(f).and_then(|r| r.get("type")).and_then(Json::as_str) == Some("prompt_embeds")
+        });
+        let Some(Json::Array(parts)) = m.get("content") else {
+            return embeds;
+        };
+        embeds
+            || parts.iter().any(|p| {
+                let Json::Object(fields) = p else {
+                    return false;
+                };
+                MEDIA_KEYS.iter().any(|k| fields.contains_key(*k))
+                    || match fields.get("type") {
+                        None => false,
+                        Some(Json::Str(t)) => !TEXT_TYPES.contains(&t.as_str()),
+                        Some(_) => true,
+                    }
+            })
+    })
+}
+
+/// `_reused_prompt_token_ids` (`vllm/renderers/online_renderer.py`): in disaggregated serving
+/// the prefill stage's ids ride in `kv_transfer_params.prompt_token_ids`, and vLLM uses them
+/// instead of rendering, unless `echo` is set or a message has non-text content. Errors (400):
+/// not a non-empty list of non-negative integers.
+fn reused_prompt_token_ids(
+    kv_transfer_params: &Json,
+    echo: bool,
+    raw_messages: &Json,
+) -> Result<Option<Vec<u32>>, TokenizeError> {
+    let Some(ids) = kv_transfer_params.get("prompt_token_ids") else {
+        return Ok(None);
+    };
+    if ids.is_null() || echo || has_non_text_content(raw_messages) {
+        return Ok(None);
+    }
+    match ids {
+        Json::Array(items) if !items.is_empty() => token_ids(items.clone()).map(Some),
+        _ => Err(TokenizeError::InvalidPrompt(
+            "kv_transfer_params.prompt_token_ids must be a non-empty list of non-negative integers",
+        )),
+    }
 }
 
 #[derive(Deserialize)]
@@ -126,6 +202,20 @@ pub fn parse_request(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, T
         Endpoint::ChatCompletions => {
             let wire: WireChat = serde_json::from_slice(body)?;
             let model = wire.model.ok_or(TokenizeError::MissingModel)?;
+            if wire.kv_transfer_params.get("prompt_token_ids").is_some() {
+                // Only then are the raw messages needed (has_non_text_content).
+                let raw: Json = serde_json::from_slice(body)?;
+                let messages = raw.get("messages").cloned().unwrap_or_default();
+                let echo = wire.echo.unwrap_or(false);
+                if let Some(ids) =
+                    reused_prompt_token_ids(&wire.kv_transfer_params, echo, &messages)?
+                {
+                    return Ok(ParsedRequest {
+                        model,
+                        prompt: Prompt::TokenIds(ids),
+                    });
+                }
+            }
             let messages = wire
                 .messages
                 .filter(|m| !m.is_empty())

@@ -672,4 +672,19 @@ async fn chat_prompts_are_tokenized_per_tenant_and_salts_reach_the_engine() {
     // A malformed chat request is refused by kv-epp with a reason.
     let r = rig.chat(&[], br#"{"model":"m","messages":[]}"#).await;
     assert_eq!(r.status, 400, "{}", r.text());
+    // One kv-epp cannot render exactly (it carries its own template, which vLLM accepts under
+    // --trust-request-chat-template) is the engine's to judge: routed on load, counted.
+    let own_template =
+        br#"{"model":"m","chat_template":"{{ 'x' }}","messages":[{"role":"user","content":"hi"}]}"#;
+    let r = rig.chat(&[], own_template).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let m = rig.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            "kv_epp_unrenderable_total{model=\"m\",reason=\"request_chat_template\"}"
+        ),
+        1.0,
+        "{m}"
+    );
 }

@@ -53,6 +53,8 @@ impl Changes {
 pub struct MembershipSettings {
     /// The event protocol the workers speak.
     pub engine: EventEngine,
+    /// TensorRT-LLM workers publish over ZeroMQ (subscribed like vLLM) rather than being drained.
+    pub trtllm_zmq: bool,
     /// Time between TensorRT-LLM drains.
     pub trtllm_interval: Duration,
     /// Scrape interval and staleness of engine metrics (`None`: no scraping).
@@ -148,10 +150,13 @@ impl Membership {
         self.workers.add(w.id, &w.model, index.clone());
         if let Some(index) = index {
             match (&w.feed, self.settings.engine) {
-                (Some(endpoints), EventEngine::Vllm | EventEngine::Sglang) => {
+                // A ZeroMQ feed (vLLM, SGLang, TensorRT-LLM's publisher; the configuration
+                // derives endpoints for these only): every replica subscribes, so none of them
+                // is a single-reader source.
+                (Some(endpoints), _) => {
                     self.feeds.start(w.id, index.clone(), endpoints.clone());
                 }
-                (_, EventEngine::Trtllm) => {
+                (None, EventEngine::Trtllm) if !self.settings.trtllm_zmq => {
                     self.feeds
                         .start_trtllm(w.id, index.clone(), self.settings.trtllm_interval);
                 }

@@ -66,7 +66,7 @@ pub enum Dialect {
     Vllm,
     /// SGLang: the salt in the event itself, a trailing positional `metadata` map
     /// `{cache_salt, session_id}` (SGLang since #30827) or the `cache_salt` / `session_id` fields
-    /// of a tagged map (since #37482); LoRA by `lora_id` only.
+    /// of a tagged map (since #37482); LoRA by `lora_id` only; signed 64-bit hashes.
     Sglang,
     /// TensorRT-LLM's ZeroMQ publisher: vLLM-shaped tagged maps with signed 64-bit hashes; a salt,
     /// when one is published, in the blocks' extra keys, under the drain's rule (one event, one
@@ -730,11 +730,12 @@ fn lenient_str(v: Option<&[u8]>) -> Option<String> {
 }
 
 /// An engine block hash: a u64 (never read as signed), or digest bytes folded to 64 bits.
-/// TensorRT-LLM writes signed 64-bit integers: there a negative value is the same 64 bits.
+/// SGLang and TensorRT-LLM write signed 64-bit integers: there a negative value is the same 64
+/// bits (vLLM never writes one, so there it stays malformed).
 fn hash(dialect: Dialect, v: Head<'_>) -> Option<EngineBlockHash> {
     match v {
         Head::Uint(u) => Some(EngineBlockHash(u)),
-        Head::Neg(i) if dialect == Dialect::Trtllm => Some(EngineBlockHash(i as u64)),
+        Head::Neg(i) if dialect != Dialect::Vllm => Some(EngineBlockHash(i as u64)),
         Head::Bin(b) if !b.is_empty() => Some(EngineBlockHash(fold(b))),
         _ => None,
     }

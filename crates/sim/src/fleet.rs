@@ -374,6 +374,7 @@ pub fn engine_event(ev: &CacheEvent, block_size: usize) -> EngineEvent {
             tokens,
             extra_keys,
             lora_name,
+            ..
         } => {
             let root_seed = if parent.is_none() {
                 let first: Vec<namespace::ExtraKey> = extra_keys

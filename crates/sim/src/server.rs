@@ -55,6 +55,7 @@ impl SimWorkerConfig {
             served: Served {
                 model: "m".into(),
                 lora_modules: vec![],
+                engine: crate::events::SimEngine::Vllm,
             },
             engine: EngineConfig {
                 num_blocks,
@@ -74,6 +75,7 @@ impl SimWorkerConfig {
                 drop_fraction: 0.0,
                 fault_seed: 0,
                 encoder: crate::events::BatchEncoder {
+                    engine: crate::events::SimEngine::Vllm,
                     layout: crate::events::EventLayout::Map,
                     hash_form: crate::events::HashForm::Int,
                     block_size,

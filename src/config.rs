@@ -482,6 +482,9 @@ impl Config {
             id,
             model: model.to_owned(),
             feed: self.feed_endpoints(&id, overrides),
+            // SGLang says where it publishes: ask it unless the worker names its endpoint.
+            probe_server_info: self.events.engine == EventEngine::Sglang
+                && overrides.is_none_or(|w| w.events_endpoint.is_none()),
         }
     }
 

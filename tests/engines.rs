@@ -209,3 +209,48 @@ async fn trtllm_over_zeromq_is_subscribed_not_drained() {
         0
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_workers_are_asked_where_they_publish() {
+    let w = sim(SimEngine::Sglang, EventLayout::Map, false).await;
+    // The worker names no endpoint and the configured convention points at a closed port: the
+    // feed follows what the worker's /server_info advertises.
+    let yaml = format!(
+        "server: {{bind_address: 127.0.0.1, grpc_port: 0, grpc_health_port: 0, metrics_port: 0, admin_port: 0}}\n\
+         engine_metrics: {{interval_ms: 0}}\nevents: {{engine: sglang, zmq: {{port: {}, replay_port: 0}}}}\n\
+         models: [{{name: m, block_size: {BS}}}]\nworkers: [{{endpoint: '{}', model: m}}]\n",
+        common::free_port(),
+        w.http_addr
+    );
+    let c = Config::from_yaml(&yaml).unwrap();
+    c.validate().unwrap();
+    let s = Server::start(&c).await.unwrap();
+    let followed = || async {
+        s.feeds.statuses().iter().any(|(_, ep, st)| {
+            ep.events == w.events.events_endpoint && st.connected.load(Ordering::Relaxed)
+        })
+    };
+    assert!(
+        eventually_async(20, followed).await,
+        "{:?}",
+        s.feeds.statuses()
+    );
+    // No replay socket: resend with a fresh tail until a store arrives after the subscription.
+    let base = prompt(1_000, 2);
+    let mut tail = 10_000;
+    let credited = || async {
+        believed(s.admin_addr, w.http_addr, &base, Some("tenant-a")).await == (2 * BS) as u64
+    };
+    while !credited().await {
+        let mut p = base.clone();
+        p.extend(prompt(tail, 1));
+        tail += 1_000;
+        assert!(
+            tail < 200_000,
+            "no event reached kv-epp on the advertised endpoint"
+        );
+        w.engine.reset_prefix_cache();
+        send(&w, &p, "tenant-a").await;
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}

@@ -9,10 +9,12 @@
 //!   bytes left, nesting limited).
 //! - `subscriber.rs`: the ZeroMQ SUB/DEALER feed with sequence tracking and replay.
 //! - `trtllm.rs`: TensorRT-LLM's destructive HTTP drain, polled, into the same form.
+//! - `server_info.rs`: an SGLang worker's own `/server_info`, for its publisher's port.
 //!
 //! Every event reaches the index through the core's one writer, `engine_event::apply`.
 
 mod msgpack;
+pub(crate) mod server_info;
 pub mod subscriber;
 pub mod trtllm;
 pub mod vllm;

@@ -41,7 +41,10 @@ fn quick_demo_beats_round_robin_and_keeps_tenants_apart() {
     // Every engine's events went through kv-epp: SGLang's two salt encodings isolated, and
     // TensorRT-LLM's ZeroMQ publisher applied.
     assert_eq!(text.matches("-> isolated").count(), 2, "{text}");
-    assert!(text.contains("-> prefix routing, no tenant isolation"), "{text}");
+    assert!(
+        text.contains("-> prefix routing, no tenant isolation"),
+        "{text}"
+    );
     let all = text
         .lines()
         .find(|l| l.starts_with("all "))

@@ -39,9 +39,10 @@ pub enum EventEngine {
     /// vLLM over ZeroMQ.
     #[default]
     Vllm,
-    /// SGLang: vLLM-shaped ZeroMQ events without salts (salted tenants get no credit from them).
+    /// SGLang: vLLM-shaped ZeroMQ events, its salt in the event itself (both encodings).
     Sglang,
-    /// TensorRT-LLM's `POST /kv_cache_events` drain, polled.
+    /// TensorRT-LLM: the `POST /kv_cache_events` drain, polled, or its ZeroMQ publisher
+    /// (`events.trtllm.transport`).
     Trtllm,
     /// No events: route on load alone.
     None,

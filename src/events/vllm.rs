@@ -1398,6 +1398,36 @@ mod tests {
         assert!(decode_as(&batch_of(vec![stored(Value::Nil)]), Dialect::Vllm)[0].is_err());
     }
 
+    #[test]
+    fn trtllm_extra_keys_are_capped_over_all_blocks() {
+        // Two blocks of 3,000 nil keys each: under the cap per block, over it together.
+        let keys = |n: usize| Value::Array(vec![Value::Nil; n]);
+        let ev = |per_block: usize| {
+            map(vec![
+                ("type", s("BlockStored")),
+                (
+                    "block_hashes",
+                    Value::Array(vec![Value::from(1), Value::from(2)]),
+                ),
+                ("token_ids", Value::Array((0..8).map(Value::from).collect())),
+                ("block_size", Value::from(4)),
+                (
+                    "extra_keys",
+                    Value::Array(vec![keys(per_block), keys(per_block)]),
+                ),
+            ])
+        };
+        let evs = decode_as(&batch_of(vec![ev(3_000), ev(2_000)]), Dialect::Trtllm);
+        assert_eq!(
+            evs[0],
+            Err(DecodeError::TooMany {
+                what: "extra_keys",
+                limit: MAX_EXTRA_KEYS
+            })
+        );
+        assert!(evs[1].is_ok());
+    }
+
     /// Counts the bytes each thread allocates, so a test can show that a rejected length claim
     /// allocated nothing in proportion to it. (This test binary's allocator: it only counts.)
     struct ThreadCounting;
@@ -1719,6 +1749,8 @@ mod tests {
             "BlockRemoved",
             "AllBlocksCleared",
             "kvepp:t",
+            "cache_salt",
+            "metadata",
         ]
         .into_iter()
         .chain(KEYS)
@@ -1769,18 +1801,28 @@ mod tests {
             cut in any::<prop::sample::Index>(),
             flip in any::<(prop::sample::Index, u8)>(),
         ) {
-            if let Ok(b) = decode_batch(&frame) {
-                let n = b.events.len();
-                prop_assert_eq!(b.events.count(), n);
-            }
-            let cut = cut.index(frame.len());
-            prop_assert!(decode_batch(&frame[..cut]).is_err());
-            let mut corrupted = frame.clone();
-            let at = flip.0.index(corrupted.len());
-            corrupted[at] = flip.1;
-            if let Ok(b) = decode_batch(&corrupted) {
-                for ev in b.events {
-                    drop(ev);
+            // Every engine's dialect reads the same bytes under the same caps.
+            for dialect in [Dialect::Vllm, Dialect::Sglang, Dialect::Trtllm] {
+                if let Ok(b) = decode_batch_as(&frame, dialect) {
+                    let n = b.events.len();
+                    let mut taken = 0;
+                    for ev in b.events {
+                        taken += 1;
+                        if let Ok(ev) = ev {
+                            let _ = ev.into_neutral(dialect);
+                        }
+                    }
+                    prop_assert_eq!(taken, n);
+                }
+                let cut = cut.index(frame.len());
+                prop_assert!(decode_batch_as(&frame[..cut], dialect).is_err());
+                let mut corrupted = frame.clone();
+                let at = flip.0.index(corrupted.len());
+                corrupted[at] = flip.1;
+                if let Ok(b) = decode_batch_as(&corrupted, dialect) {
+                    for ev in b.events {
+                        drop(ev);
+                    }
                 }
             }
         }

@@ -124,8 +124,8 @@ INT64 = range(-(2**63), 2**63)
 def start(tmp_path):
     workers: list[Worker] = []
 
-    def _start(*flags: str) -> Worker:
-        w = Worker(tmp_path, *flags)
+    def _start(*flags: str, **kw: Any) -> Worker:
+        w = Worker(tmp_path, *flags, **kw)
         workers.append(w)
         return w
 
@@ -196,6 +196,19 @@ def test_sglang_salted_stores_carry_the_salt_in_both_encodings(start, layout):
         "POST", "/v1/completions", {"model": "sim", "prompt": [1, 2, 3, 4], "cache_salt": 7},
     )
     assert status == 400
+
+
+def test_sglang_server_info_advertises_the_publisher(start):
+    w = start("--engine", "sglang", "--topic", "kv")
+    status, info = w.request("GET", "/server_info")
+    assert status == 200, info
+    kv = info["kv_events"]
+    assert kv["publisher"] == "zmq" and kv["endpoint_host"] in ("*", "0.0.0.0", "127.0.0.1")
+    assert (kv["endpoint_port_base"], kv["topic"], kv["block_size"], kv["dp_size"]) == (
+        w.events_port, "kv", 4, 1)
+    # Other engines have no such route.
+    plain = start("--engine", "vllm", subscribe=False)
+    assert plain.request("GET", "/server_info")[0] == 404
 
 
 def test_sglang_removals_and_resets(start):

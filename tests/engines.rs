@@ -254,3 +254,43 @@ async fn sglang_workers_are_asked_where_they_publish() {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_salt_kv_epp_forwards_is_accepted_by_sglang_and_comes_back_as_the_tenant() {
+    use kv_epp::decide::{RequestParts, understand};
+    let w = sim(SimEngine::Sglang, EventLayout::Array, true).await;
+    let s = kv_epp(&w, "{engine: sglang}").await;
+    // Tenants whose raw ids vLLM would refuse, and one too long to forward verbatim.
+    let long = "t".repeat(300);
+    for (i, tenant) in ["org/team@x", "plain", long.as_str()]
+        .into_iter()
+        .enumerate()
+    {
+        let tokens = prompt(1_000 * (i as u32 + 1), 2);
+        let body = serde_json::json!({"model": "m", "prompt": tokens, "max_tokens": 1});
+        let body = body.to_string();
+        let header = [tenant.as_bytes()];
+        let parts = RequestParts {
+            path: "/v1/completions",
+            tenant: &header,
+            body: Some(body.as_bytes()),
+            subset: None,
+            conformance: None,
+        };
+        // The body the engine receives, exactly as ext_proc would forward it.
+        let forwarded = understand(&s.picker, &parts)
+            .unwrap()
+            .rewritten_body
+            .expect("the salt is forwarded");
+        let r = common::post_json(w.http_addr, "/v1/completions", &[], &forwarded)
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "SGLang's rule accepts it: {}", r.text());
+        let want = truth(&w, &tokens, tenant);
+        assert_eq!(want, (2 * BS) as u64);
+        let agreed =
+            || async { believed(s.admin_addr, w.http_addr, &tokens, Some(tenant)).await == want };
+        assert!(eventually_async(20, agreed).await, "{i}");
+        assert_eq!(believed(s.admin_addr, w.http_addr, &tokens, None).await, 0);
+    }
+}

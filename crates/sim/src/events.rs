@@ -627,17 +627,17 @@ mod tests {
         // Map layout: the salt is a field; an unsalted store has none.
         enc.layout = EventLayout::Map;
         let bytes = enc.encode_batch(1.5, &[stored()]);
-        assert_eq!(bytes[12], 0x88, "type + 6 fields + cache_salt");
+        assert_eq!(bytes[11], 0x88, "type + 6 fields + cache_salt");
         let mut unsalted = stored();
         if let CacheEvent::Stored { salt, .. } = &mut unsalted {
             *salt = None;
         }
-        assert_eq!(enc.encode_batch(1.5, &[unsalted.clone()])[12], 0x87);
+        assert_eq!(enc.encode_batch(1.5, &[unsalted.clone()])[11], 0x87);
         // TensorRT-LLM: maps with lora_name and no salt, whatever the layout flag says.
         enc.engine = SimEngine::Trtllm;
         enc.layout = EventLayout::Array;
         let bytes = enc.encode_batch(1.5, &[stored()]);
-        assert_eq!(bytes[12], 0x88, "type + 7 fields");
+        assert_eq!(bytes[11], 0x88, "type + 7 fields");
         let find = |n: &str| bytes.windows(n.len()).any(|w| w == n.as_bytes());
         assert!(find("lora_name") && !find("cache_salt") && !find("extra_keys"));
     }

@@ -70,6 +70,9 @@ pub struct Metrics {
     pub unrenderable: Family<Labels, Counter>,
     /// (model, reason) pairs already logged: each is logged once per process.
     unrenderable_logged: parking_lot::Mutex<std::collections::HashSet<(String, &'static str)>>,
+    /// Salted requests routed to workers whose events carry no salt (`events.salted_events:
+    /// false`: older SGLang, TensorRT-LLM over ZeroMQ), by model: routed without isolation.
+    pub unisolated_salted_requests: Family<Labels, Counter>,
 }
 
 impl Default for Metrics {
@@ -214,10 +217,17 @@ impl Metrics {
             "Requests kv-epp could not render exactly as the engine would, by model and reason",
             unrenderable.clone(),
         );
+        let unisolated_salted_requests = Family::<Labels, Counter>::default();
+        registry.register(
+            "unisolated_salted_requests",
+            "Salted requests routed to workers whose KV events carry no salt (no tenant isolation in routing), by model",
+            unisolated_salted_requests.clone(),
+        );
         Metrics {
             registry,
             unrenderable,
             unrenderable_logged: Default::default(),
+            unisolated_salted_requests,
             admin_unauthenticated,
             metrics_unauthenticated,
             tls_reloads,

@@ -51,6 +51,9 @@ pub struct Policy {
     pub salt: SaltPolicy,
     /// The key salts are fingerprinted under (the same on every replica makes logs comparable).
     pub fingerprints: FingerprintKey,
+    /// Whether the workers' events carry the salt of salted stores (`events.salted_events`):
+    /// when not, a salted request is routed without isolation and counted.
+    pub salted_events: bool,
 }
 
 impl std::fmt::Debug for Policy {
@@ -62,6 +65,7 @@ impl std::fmt::Debug for Policy {
             .field("unknown_model", &self.unknown_model)
             .field("unrenderable", &self.unrenderable)
             .field("salt", &self.salt)
+            .field("salted_events", &self.salted_events)
             .finish_non_exhaustive()
     }
 }

@@ -35,6 +35,8 @@ prefill stage's `kv_transfer_params.prompt_token_ids` instead of rendering) or {
   stage "validation": vLLM refuses the request before rendering (400);
   stage "untrusted_template": the request carries a chat template the server does not trust;
   stage "template": the chat template raised while rendering (vLLM answers 400).
+Top-level `content_formats`: template sources and vLLM's content format for each
+(`_detect_content_format`); kv-epp must route every "openai" one on load.
 `kv_epp_gap` (optional): the `reason` label kv-epp reports for a case it does not reproduce
 exactly and routes on load instead (see crates/tokenize/src/error.rs `Unrenderable`).
 """
@@ -511,6 +513,23 @@ def build_cases(v: Vllm, tok, templates) -> list[dict]:
     return cases
 
 
+# Template shapes for the content-format check (vLLM's `_detect_content_format` walks the AST;
+# kv-epp's textual check must flag every template vLLM calls "openai").
+CONTENT_FORMAT_TEMPLATES = [
+    "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    "{% for m in messages %}{% for c in m['content'] %}{{ c.text }}{% endfor %}{% endfor %}",
+    "{% for message in messages %}{% for item in message.content | selectattr('type', 'equalto', 'text') %}"
+    "{{ item.text }}{% endfor %}{% endfor %}",
+    "{% set msgs = messages %}{% for m in msgs %}{% for p in m.content %}{{ p }}{% endfor %}{% endfor %}",
+    "{% macro render(content) %}{% for part in content %}{{ part.text }}{% endfor %}{% endmacro %}"
+    "{% for m in messages %}{{ render(m.content) }}{% endfor %}",
+    "{% for m in messages %}{% set content = m.content %}{% for c in content %}{{ c }}{% endfor %}{% endfor %}",
+    "{% for m in messages %}{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}"
+    "{{ c.text }}{% endfor %}{% endif %}{% endfor %}",
+    "{%- for m in messages %}{{ m.role }}{% for t in m.tool_calls %}{{ t }}{% endfor %}{% endfor %}",
+]
+
+
 def generate() -> str:
     wheel = find_wheel()
     if wheel is None:
@@ -522,7 +541,8 @@ def generate() -> str:
     tok = AutoTokenizer.from_pretrained(str(tf.SMALL_DIR), local_files_only=True)
     cases = build_cases(v, tok, templates)
     meta = {"generator": "scripts/gen_vllm_preproc_cases.py", "vllm_version": "0.33.0",
-            "transformers_version": __import__("transformers").__version__}
+            "transformers_version": __import__("transformers").__version__,
+            "content_formats": [{"template": t, "vllm": v.content_format(t)} for t in CONTENT_FORMAT_TEMPLATES]}
     return tf.dump_cases(meta, cases)
 
 

@@ -130,3 +130,19 @@ fn cases_match_vllm_preprocessing() {
         failures.join("\n")
     );
 }
+
+#[test]
+fn every_template_vllm_renders_with_content_parts_is_routed_on_load() {
+    let text = std::fs::read_to_string(fixtures().join("vllm_cases.json")).unwrap();
+    let doc: Value = serde_json::from_str(&text).unwrap();
+    let formats = doc["content_formats"].as_array().unwrap();
+    assert!(formats.iter().any(|f| f["vllm"] == "openai"));
+    for f in formats {
+        let source = f["template"].as_str().unwrap();
+        let flagged = kv_epp_tokenize::vllm::reads_content_parts(source);
+        let openai = f["vllm"] == "openai";
+        // No false negative (that would hash a prompt vLLM renders differently); a false
+        // positive only costs prefix credit, and none occurs on these shapes either.
+        assert_eq!(flagged, openai, "{source}");
+    }
+}

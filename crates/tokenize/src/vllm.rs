@@ -396,7 +396,7 @@ pub(crate) fn developer_as_system(messages: &mut Vec<Message>, template_supports
 /// vLLM walks the template's AST; this is a conservative textual check (any `for ... in`
 /// whose iterable mentions `content`), so a template it flags is routed on load rather than
 /// rendered differently from the engine.
-pub(crate) fn reads_content_parts(source: &str) -> bool {
+pub fn reads_content_parts(source: &str) -> bool {
     let mut rest = source;
     while let Some(at) = rest.find("for ") {
         let after = &rest[at + 4..];

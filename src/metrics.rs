@@ -64,6 +64,8 @@ pub struct Metrics {
     /// TLS handshakes refused or timed out, by listener (e.g. a client without an accepted
     /// certificate).
     pub tls_handshake_failures: Family<Labels, Counter>,
+    /// Flow control: queue length, wait time, admitted and refused by tenant (bounded labels).
+    pub flow: std::sync::Arc<crate::flow::FlowMetrics>,
 }
 
 impl Default for Metrics {
@@ -202,7 +204,9 @@ impl Metrics {
             "TLS handshakes refused or timed out, by listener",
             tls_handshake_failures.clone(),
         );
+        let flow = std::sync::Arc::new(crate::flow::FlowMetrics::register(&mut registry));
         Metrics {
+            flow,
             registry,
             admin_unauthenticated,
             metrics_unauthenticated,

@@ -445,7 +445,8 @@ async fn client_sees_kv_epp_rejections_with_reasons() {
     let Some(rig) = Rig::start(
         EnvoyShape::FullDuplex,
         1,
-        "routing: {max_body_bytes: 4096, max_inflight_per_worker: 1, unknown_model: reject, retry_after_seconds: 3}",
+        // Flow control off: saturation is answered at once (the queue has its own tests).
+        "routing: {max_body_bytes: 4096, max_inflight_per_worker: 1, unknown_model: reject, retry_after_seconds: 3}\nflow_control: {enabled: false}",
     )
     .await
     else {

@@ -294,6 +294,27 @@ pub fn pick(
     Ok(Decision { primary, fallbacks })
 }
 
+/// How many more prompt blocks (device + credited offload, as [`score`] counts them) the best
+/// *saturated* candidate holds than `picked`: what a request would recompute by going to
+/// `picked` now instead of waiting for its cached worker to free up. 0 when no saturated
+/// candidate holds more.
+///
+/// Flow control uses it for a queued request: it waits for the cached worker while its wait is
+/// under `gap × affinity_wait_ms_per_block` (capped), trading waiting against recomputing; the
+/// capacity it leaves meanwhile goes to other queued requests.
+pub fn affinity_gap(
+    candidates: &[Candidate],
+    picked: &Scored,
+    prompt_blocks: u32,
+    cfg: &ScoringConfig,
+) -> f64 {
+    candidates
+        .iter()
+        .filter(|c| c.saturated())
+        .map(|c| score(c, prompt_blocks, cfg).cached_blocks - picked.cached_blocks)
+        .fold(0.0, f64::max)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -489,5 +510,27 @@ mod tests {
             ..ScoringConfig::default()
         };
         assert!(bad.validate().unwrap_err().contains("queue_weight"));
+    }
+
+    #[test]
+    fn the_affinity_gap_counts_what_a_saturated_cached_worker_would_save() {
+        let cfg = ScoringConfig::default();
+        let cached = Candidate {
+            max_inflight: Some(1),
+            ..cand(1, 8, 1)
+        };
+        let free = Candidate {
+            max_inflight: Some(1),
+            ..cand(2, 2, 0)
+        };
+        let d = pick(&[cached, free], 10, 0, &cfg, &mut rng()).unwrap();
+        assert_eq!(d.primary.candidate.worker, w(2));
+        assert_eq!(affinity_gap(&[cached, free], &d.primary, 10, &cfg), 6.0);
+        let idle = Candidate {
+            max_inflight: Some(1),
+            ..cand(1, 8, 0)
+        };
+        let d = pick(&[idle, free], 10, 0, &cfg, &mut rng()).unwrap();
+        assert_eq!(affinity_gap(&[idle, free], &d.primary, 10, &cfg), 0.0);
     }
 }

@@ -164,7 +164,11 @@ pub struct FlowControl {
     state: Mutex<State>,
     wake: Arc<Notify>,
     epoch: Instant,
+    clock: Option<Clock>,
 }
+
+/// Milliseconds on a caller's clock (the fleet simulation runs flow control in simulated time).
+pub type Clock = Arc<dyn Fn() -> u64 + Send + Sync>;
 
 /// What [`FlowControl::admit`] decided.
 pub enum Admission {
@@ -212,6 +216,12 @@ impl Ticket {
                 }
             }
         }
+    }
+
+    /// The outcome, when the request has been dispatched (or refused) already; `None` while it
+    /// still waits. For callers that drive time themselves.
+    pub fn try_take(&mut self) -> Option<Outcome> {
+        self.rx.try_recv().ok()
     }
 
     /// How long an override of Envoy's message timeout must be to cover the wait: the queue
@@ -296,6 +306,19 @@ impl FlowControl {
         metrics: Arc<FlowMetrics>,
         wake: Arc<Notify>,
     ) -> Arc<Self> {
+        Self::with_clock(settings, picker, metrics, wake, None)
+    }
+
+    /// As [`FlowControl::new`], reading milliseconds from `clock` instead of the wall clock
+    /// (affinity waits and token buckets; queue timeouts are then the caller's, see
+    /// [`Ticket::try_take`]).
+    pub fn with_clock(
+        settings: FlowSettings,
+        picker: Arc<Picker>,
+        metrics: Arc<FlowMetrics>,
+        wake: Arc<Notify>,
+        clock: Option<Clock>,
+    ) -> Arc<Self> {
         Arc::new(FlowControl {
             state: Mutex::new(State {
                 queue: Scheduler::new(settings.limits),
@@ -307,6 +330,7 @@ impl FlowControl {
             metrics,
             wake,
             epoch: Instant::now(),
+            clock,
         })
     }
 
@@ -316,7 +340,10 @@ impl FlowControl {
     }
 
     fn now_ms(&self) -> u64 {
-        self.epoch.elapsed().as_millis() as u64
+        match &self.clock {
+            Some(clock) => clock(),
+            None => self.epoch.elapsed().as_millis() as u64,
+        }
     }
 
     /// The work a request stands for: prompt tokens (or body bytes / 4 when it has none) plus its

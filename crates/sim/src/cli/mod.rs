@@ -2,5 +2,6 @@
 
 pub(crate) mod demo;
 pub(crate) mod demo_net;
+pub(crate) mod flood;
 pub(crate) mod sim_worker;
 pub(crate) mod workload;

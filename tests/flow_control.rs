@@ -101,8 +101,13 @@ impl Open {
 const WORKER: &str = "127.0.0.1:18001";
 
 async fn start(flow: &str) -> (Server, Channel) {
+    start_with(&[WORKER], flow).await
+}
+
+async fn start_with(workers: &[&str], flow: &str) -> (Server, Channel) {
+    let workers: Vec<std::net::SocketAddr> = workers.iter().map(|w| w.parse().unwrap()).collect();
     let config = kv_epp_config(
-        &[WORKER.parse().unwrap()],
+        &workers,
         &format!("routing: {{max_inflight_per_worker: 1, retry_after_seconds: 2}}\n{flow}"),
     );
     let server = Server::start(&config).await.unwrap();
@@ -296,5 +301,71 @@ async fn debug_queues_shows_queued_tenants_by_fingerprint() {
     );
     drop(q);
     drop(holder);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_request_waits_for_its_cached_worker_while_others_take_the_free_one() {
+    use kv_epp_core::hashing::HashSeed;
+    use kv_epp_core::index::{EngineBlockHash, Medium, StoreBlocks};
+    use kv_epp_core::worker::WorkerId;
+
+    const OTHER: &str = "127.0.0.1:18002";
+    // Waiting is worth 1 s per block saved here, so the 16-block prefix is worth waiting for.
+    let (server, ch) = start_with(
+        &[WORKER, OTHER],
+        "flow_control: {affinity_wait_ms_per_block: 1000, max_affinity_wait_ms: 20000}",
+    )
+    .await;
+    let mut h1 = Open::start(&ch, "h1", 8).await;
+    let Answer::Pick(cached) = h1.next().await else {
+        panic!("routed")
+    };
+    let mut h2 = Open::start(&ch, "h2", 8).await;
+    let Answer::Pick(free) = h2.next().await else {
+        panic!("routed")
+    };
+    assert_ne!(cached, free);
+    // The first holder's worker holds the 64-token prompt of tenant `r` (16 blocks of 4).
+    let tokens: Vec<u32> = (0..64).collect();
+    let hashes: Vec<EngineBlockHash> = (0..16).map(|i| EngineBlockHash(500 + i)).collect();
+    server
+        .picker
+        .models
+        .index("m")
+        .unwrap()
+        .store(
+            &WorkerId::new(cached.parse().unwrap()),
+            &StoreBlocks {
+                parent: None,
+                root_seed: Some(HashSeed::new(None, Some("r"))),
+                engine_hashes: &hashes,
+                tokens: &tokens,
+                medium: Medium::Device,
+            },
+        )
+        .unwrap();
+    let mut r = Open::start(&ch, "r", 64).await;
+    assert_eq!(r.next().await, Answer::Override(31));
+    assert!(eventually(10, || server.flow.queued() == 1).await);
+    // The uncached worker frees first: `r` keeps waiting for its prefix, and the free worker
+    // goes to the next request in the queue instead.
+    drop(h2);
+    let mut s = Open::start(&ch, "s", 8).await;
+    let first = s.next().await;
+    let first = if first == Answer::Override(31) {
+        // Queued too: it must be routed as soon as the queue is offered the free worker.
+        tokio::time::timeout(std::time::Duration::from_secs(20), s.next())
+            .await
+            .expect("the free worker went to `s`, not to `r`")
+    } else {
+        first
+    };
+    assert_eq!(first, Answer::Pick(free.clone()));
+    assert_eq!(server.flow.queued(), 1, "r still waits");
+    drop(h1);
+    assert_eq!(r.next().await, Answer::Pick(cached));
+    drop((r, s));
+    assert!(eventually(10, || server.picker.workers.total_inflight() == 0).await);
     server.stop().await;
 }

@@ -1,6 +1,7 @@
 //! Which tenants get a metrics label of their own: the busiest `n` by traffic, counted with a
 //! bounded "space-saving" sketch over fingerprints; everyone else is `other`. Cardinality is
-//! bounded by construction: at most `n` fingerprint labels are live at once.
+//! bounded by construction: at most `4n` fingerprint labels are ever minted (a series once
+//! created stays); once they are used up, a newcomer to the top is counted under `other`.
 
 use std::collections::HashMap;
 
@@ -17,6 +18,7 @@ pub struct TopTenants {
     counts: HashMap<u64, u64>,
     top: Vec<u64>,
     since_rank: u32,
+    minted: std::collections::HashSet<u64>,
 }
 
 impl TopTenants {
@@ -27,6 +29,7 @@ impl TopTenants {
             counts: HashMap::new(),
             top: Vec::new(),
             since_rank: 0,
+            minted: std::collections::HashSet::new(),
         }
     }
 
@@ -58,6 +61,10 @@ impl TopTenants {
         if self.since_rank >= 64 || self.top.len() < self.n.min(self.counts.len()) {
             self.rank();
         }
+        if self.top.contains(&key) && (self.minted.contains(&key) || self.minted.len() < 4 * self.n)
+        {
+            self.minted.insert(key);
+        }
         self.label(Some(fp))
     }
 
@@ -65,7 +72,9 @@ impl TopTenants {
     pub fn label(&self, tenant: Option<Fingerprint>) -> String {
         match tenant {
             None => UNSALTED.into(),
-            Some(fp) if self.top.contains(&fp.value()) => fp.to_string(),
+            Some(fp) if self.top.contains(&fp.value()) && self.minted.contains(&fp.value()) => {
+                fp.to_string()
+            }
             Some(_) => OTHER.into(),
         }
     }
@@ -100,5 +109,14 @@ mod tests {
         assert_eq!(top.label(Some(fp(1100))), OTHER);
         assert_eq!(top.label(None), UNSALTED);
         assert!(labels.len() <= 2 + 1 + 8, "bounded: {labels:?}");
+        // Heavy tenants that keep changing mint at most 4n labels in all.
+        let mut top = TopTenants::new(2);
+        let mut labels = std::collections::HashSet::new();
+        for phase in 0..50u32 {
+            for _ in 0..200 {
+                labels.insert(top.observe(Some(fp(phase))));
+            }
+        }
+        assert!(labels.len() <= 4 * 2 + 1, "{} labels", labels.len());
     }
 }

@@ -642,7 +642,6 @@ impl FlowControl {
             .queue
             .view()
             .into_iter()
-            .take(1000)
             .map(|v| {
                 let fp = match st.queue.head(&v.tenant).and_then(|w| w.fingerprint) {
                     Some(fp) => fp.to_string(),
@@ -660,7 +659,9 @@ impl FlowControl {
                 })
             })
             .collect();
+        // The deepest queues first; the answer stays bounded whatever the number of tenants.
         tenants.sort_by(|a, b| b["queued"].as_u64().cmp(&a["queued"].as_u64()));
+        tenants.truncate(1000);
         let inflight: u64 = st.usage.values().map(|u| u64::from(u.inflight)).sum();
         serde_json::json!({
             "enabled": self.settings.enabled,

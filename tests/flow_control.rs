@@ -63,7 +63,12 @@ impl Open {
     /// The next answer, skipping the header response BUFFERED mode gets at once.
     async fn next(&mut self) -> Answer {
         loop {
-            let resp = self.rx.message().await.unwrap().expect("an answer");
+            // Generous: a broken queue fails the test instead of hanging it.
+            let resp = tokio::time::timeout(std::time::Duration::from_secs(60), self.rx.message())
+                .await
+                .expect("an answer within 60 s")
+                .unwrap()
+                .expect("an answer");
             if let Some(d) = resp.override_message_timeout {
                 return Answer::Override(d.seconds);
             }

@@ -20,7 +20,8 @@ pub struct Metrics {
     /// Requests by model and outcome (`decide::ROUTED`, `decide::TOKENIZE_FAILED`, or a
     /// `decide::Reject::outcome`; the set is listed in README.md).
     pub requests: Family<Labels, Counter>,
-    /// Time from the end of the request body (or headers) to the decision.
+    /// Time from the end of the request body (or headers) to the decision, not counting time
+    /// spent in flow control's queue (`flow.wait_seconds`).
     pub decision_seconds: Histogram,
     /// Prompt blocks of routed requests, by model.
     pub prompt_blocks: Family<Labels, Counter>,
@@ -87,7 +88,7 @@ impl Metrics {
         let decision_seconds = Histogram::new(exponential_buckets(0.000_01, 2.0, 20));
         registry.register(
             "decision_seconds",
-            "Time to decide a request once its body is complete",
+            "Time to decide a request once its body is complete (not counting time queued by flow control)",
             decision_seconds.clone(),
         );
         let prompt_blocks = Family::<Labels, Counter>::default();

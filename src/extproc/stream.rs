@@ -115,7 +115,8 @@ enum State {
         trailers: bool,
         held: Option<Held>,
         ticket: Ticket,
-        started: Instant,
+        /// The decision's time before it queued (the wait itself is flow control's metric).
+        decided_in: std::time::Duration,
     },
     Routed {
         /// The booking and a fixed-size summary: never the tokens, hashes or reports.
@@ -518,7 +519,7 @@ impl StreamHandler {
                             trailers,
                             held,
                             ticket,
-                            started,
+                            decided_in: started.elapsed(),
                         };
                         return (state, out);
                     }
@@ -549,7 +550,7 @@ impl StreamHandler {
             trailers,
             held,
             ticket,
-            started,
+            decided_in,
         } = state
         else {
             self.state = state;
@@ -561,6 +562,9 @@ impl StreamHandler {
             Err(reject) => self.refuse(&reject),
             Ok((decision, slot)) => {
                 self.slot = Some(slot);
+                let started = Instant::now()
+                    .checked_sub(decided_in)
+                    .unwrap_or_else(Instant::now);
                 let (next, mut out) = self.answer(head, body, phase, body_ends, decision, started);
                 if trailers {
                     out.push(messages::trailers(true));

@@ -399,7 +399,7 @@ mod tests {
     #[test]
     fn flow_control_keeps_calm_tenants_ttft_under_a_10x_flood() {
         let spec = FloodSpec {
-            seconds: 20.0,
+            seconds: 12.0,
             ..FloodSpec::default()
         };
         let c = compare(&spec);

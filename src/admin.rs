@@ -15,6 +15,8 @@
 //! - `GET /debug/digest`: per model, an order-independent digest of the index (no salts), so
 //!   replicas can be checked for convergence from outside.
 //! - `GET /debug/replica`: this instance, its peers, owners and relay positions.
+//! - `GET /debug/queues`: flow control's queue: totals, and each queued tenant by fingerprint
+//!   (band, weight, depth, bytes, virtual work counter, oldest wait, in flight).
 //! - `GET /healthz` ([`LIVENESS_PATH`]): `ok` while the process serves; the one route open
 //!   without the admin token (`server.rs` puts the others behind `crate::auth`).
 //!
@@ -59,6 +61,8 @@ pub struct AdminState {
     pub max_body_bytes: usize,
     /// ext_proc's `routing.retry_after_seconds`, sent with refusals the client may retry.
     pub retry_after_seconds: u32,
+    /// Flow control, for `/debug/queues`.
+    pub flow: Option<Arc<crate::flow::FlowControl>>,
 }
 
 /// The admin HTTP routes.
@@ -70,9 +74,17 @@ pub fn routes(state: AdminState) -> HttpRouter {
         .route("/workers", get(workers))
         .route("/debug/digest", get(digest))
         .route("/debug/replica", get(replica))
+        .route("/debug/queues", get(queues))
         .route(LIVENESS_PATH, get(|| async { "ok" }))
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(state)
+}
+
+async fn queues(State(st): State<AdminState>) -> Response {
+    match &st.flow {
+        Some(flow) => Json(flow.debug()).into_response(),
+        None => Json(json!({"enabled": false, "queued": 0, "tenants": []})).into_response(),
+    }
 }
 
 /// A 4xx answer with a JSON reason.

@@ -16,6 +16,7 @@ pub use crate::decide::{UnknownModel, UnrenderableRequests};
 use crate::discovery::DiscoverySettings;
 pub use crate::discovery::{DEFAULT_MODEL_LABEL, PoolApiVersion, PoolConfig};
 pub use crate::events::EventEngine;
+pub use crate::flow::{FlowControlConfig, TenantConfig, TenantPolicy};
 use crate::membership::{DesiredWorker, MembershipSettings};
 use crate::metrics::Metrics;
 use crate::models::{ModelSettings, ServedModels};
@@ -53,6 +54,8 @@ pub struct Config {
     pub engine_metrics: EngineMetricsConfig,
     /// Other kv-epp replicas (see `PeersConfig`).
     pub peers: PeersConfig,
+    /// Queuing at saturation, fairness between tenants, quotas (see `FlowControlConfig`).
+    pub flow_control: FlowControlConfig,
 }
 
 /// Scraping each worker's Prometheus `/metrics` for engine-reported load.
@@ -275,7 +278,7 @@ impl Default for RoutingConfig {
     fn default() -> Self {
         RoutingConfig {
             max_body_bytes: 16 << 20,
-            max_inflight_per_worker: 0,
+            max_inflight_per_worker: 256,
             retry_after_seconds: 1,
             fallbacks: 0,
             unknown_model: UnknownModel::LoadOnly,
@@ -786,6 +789,9 @@ impl Config {
         }
         if self.routing.max_body_bytes == 0 {
             return bad("routing.max_body_bytes must be > 0".into());
+        }
+        if let Err(e) = self.flow_control.settings() {
+            return bad(e);
         }
         if self.routing.stream_idle_timeout_ms == 0 {
             return bad("routing.stream_idle_timeout_ms must be > 0".into());

@@ -20,7 +20,8 @@ pub struct Metrics {
     /// Requests by model and outcome (`decide::ROUTED`, `decide::TOKENIZE_FAILED`, or a
     /// `decide::Reject::outcome`; the set is listed in README.md).
     pub requests: Family<Labels, Counter>,
-    /// Time from the end of the request body (or headers) to the decision.
+    /// Time from the end of the request body (or headers) to the decision, not counting time
+    /// spent in flow control's queue (`flow.wait_seconds`).
     pub decision_seconds: Histogram,
     /// Prompt blocks of routed requests, by model.
     pub prompt_blocks: Family<Labels, Counter>,
@@ -73,6 +74,8 @@ pub struct Metrics {
     /// Salted requests routed to workers whose events carry no salt (`events.salted_events:
     /// false`: older SGLang, TensorRT-LLM over ZeroMQ), by model: routed without isolation.
     pub unisolated_salted_requests: Family<Labels, Counter>,
+    /// Flow control: queue length, wait time, admitted and refused by tenant (bounded labels).
+    pub flow: std::sync::Arc<crate::flow::FlowMetrics>,
 }
 
 impl Default for Metrics {
@@ -94,7 +97,7 @@ impl Metrics {
         let decision_seconds = Histogram::new(exponential_buckets(0.000_01, 2.0, 20));
         registry.register(
             "decision_seconds",
-            "Time to decide a request once its body is complete",
+            "Time to decide a request once its body is complete (not counting time queued by flow control)",
             decision_seconds.clone(),
         );
         let prompt_blocks = Family::<Labels, Counter>::default();
@@ -223,7 +226,9 @@ impl Metrics {
             "Salted requests routed to workers whose KV events carry no salt (no tenant isolation in routing), by model",
             unisolated_salted_requests.clone(),
         );
+        let flow = std::sync::Arc::new(crate::flow::FlowMetrics::register(&mut registry));
         Metrics {
+            flow,
             registry,
             unrenderable,
             unrenderable_logged: Default::default(),

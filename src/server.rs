@@ -62,6 +62,9 @@ pub enum ServeError {
     /// A control port's authentication could not be set up (the message names the field).
     #[error("{0}")]
     Auth(String),
+    /// A setting is invalid (the message names the field).
+    #[error("{0}")]
+    Config(String),
 }
 
 /// A running server.
@@ -86,6 +89,8 @@ pub struct Server {
     pub peer_addr: Option<SocketAddr>,
     /// The running workers (static or discovered) and their feeds and scrapers.
     pub membership: Arc<Membership>,
+    /// Flow control: quotas and the queue at saturation (`flow_control`).
+    pub flow: Arc<crate::flow::FlowControl>,
     shutdown: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -255,7 +260,25 @@ impl Server {
         let (shutdown, rx) = watch::channel(false);
         let mut tasks = Vec::new();
 
+        let flow = crate::flow::FlowControl::new(
+            config.flow_control.settings().map_err(ServeError::Config)?,
+            picker.clone(),
+            metrics.flow.clone(),
+            picker.workers.released(),
+        );
+        {
+            // Dispatches on every booking released; the tick covers engine load falling and
+            // workers becoming ready.
+            let (flow, mut stop) = (flow.clone(), rx.clone());
+            tasks.push(tokio::spawn(async move {
+                tokio::select! {
+                    _ = flow.run(Duration::from_millis(50)) => {}
+                    _ = stop.wait_for(|s| *s) => {}
+                }
+            }));
+        }
         let opts = StreamOptions {
+            flow: Some(flow.clone()),
             max_body_bytes: config.routing.max_body_bytes,
             retry_after_seconds: config.routing.retry_after_seconds,
             conformance_hooks: config.routing.conformance_hooks,
@@ -403,6 +426,7 @@ impl Server {
             replica: replica.clone(),
             max_body_bytes: config.routing.max_body_bytes,
             retry_after_seconds: config.routing.retry_after_seconds,
+            flow: Some(flow.clone()),
         });
         if let Some(guard) = admin_guard {
             admin = guard.protect(admin);
@@ -432,6 +456,7 @@ impl Server {
             replica,
             peer_addr,
             membership,
+            flow,
             shutdown,
             tasks,
         })

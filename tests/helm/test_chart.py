@@ -396,7 +396,7 @@ def test_default_config_sections_match_the_example_config_file(chart):
     example (deploy/examples/kv-epp.yaml) for the sections config.rs reads."""
     example = yaml.safe_load((ROOT / "deploy" / "examples" / "kv-epp.yaml").read_text())
     cfg = render(chart, BASE).config
-    for section in ("routing", "scoring", "index"):
+    for section in ("routing", "flow_control", "scoring", "index"):
         assert set(cfg[section]) >= set(example[section]), section
         for key, value in example[section].items():
             assert cfg[section][key] == value, f"{section}.{key}"

@@ -53,6 +53,7 @@ fn opts() -> StreamOptions {
         retry_after_seconds: 2,
         conformance_hooks: true,
         body_budget: BodyBudget::new(1 << 30, Default::default()),
+        flow: None,
     }
 }
 
@@ -506,6 +507,7 @@ fn a_body_over_the_shared_budget_gets_503_and_every_exit_returns_its_bytes() {
     let budget = BodyBudget::new(40, Default::default());
     let opts = StreamOptions {
         body_budget: budget.clone(),
+        flow: None,
         ..opts()
     };
     let mut a = r.handler_with(opts.clone());

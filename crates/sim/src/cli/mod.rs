@@ -3,5 +3,6 @@
 pub(crate) mod demo;
 mod demo_engines;
 pub(crate) mod demo_net;
+pub(crate) mod flood;
 pub(crate) mod sim_worker;
 pub(crate) mod workload;

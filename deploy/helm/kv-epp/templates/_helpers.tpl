@@ -228,6 +228,7 @@ file never disagree. */}}
         "model_label" $c.pool.model_label
         "api_unreachable_timeout_ms" (int64 $c.pool.api_unreachable_timeout_ms))
       "routing" $c.routing
+      "flow_control" $c.flow_control
       "scoring" $c.scoring
       "salt" $salt
       "index" $c.index

@@ -533,8 +533,17 @@ impl KvIndex {
     /// overlap are omitted. Cost: one holder lookup per block until no worker is left, with no
     /// lock taken.
     pub fn query(&self, seqs: &[SequenceHash]) -> Vec<Overlap> {
+        let mut out = Vec::new();
+        self.query_into(seqs, &mut out);
+        out
+    }
+
+    /// [`KvIndex::query`] into a caller's buffer (cleared first), so a caller that keeps it
+    /// between queries allocates nothing once it is large enough.
+    pub fn query_into(&self, seqs: &[SequenceHash], results: &mut Vec<Overlap>) {
+        results.clear();
         if seqs.is_empty() {
-            return Vec::new();
+            return;
         }
         let guard = epoch::pin();
         // SAFETY: see `with_registry`.
@@ -553,7 +562,6 @@ impl KvIndex {
             for seq in seqs.iter().take(PREFETCH_DISTANCE) {
                 self.holders.prefetch(seq.0, &guard);
             }
-            let mut results = Vec::new();
             // A worker whose run of leading blocks ended: report it and reset its slot.
             let finish = |slot: u32, state: &mut [SlotState], results: &mut Vec<Overlap>| {
                 let st = &mut state[slot as usize];
@@ -603,7 +611,7 @@ impl KvIndex {
                     if state[slot as usize].seen == mark {
                         return true;
                     }
-                    finish(slot, state, &mut results);
+                    finish(slot, state, results);
                     false
                 });
                 if active.is_empty() {
@@ -611,9 +619,8 @@ impl KvIndex {
                 }
             }
             for &slot in active.iter() {
-                finish(slot, state, &mut results);
+                finish(slot, state, results);
             }
-            results
         })
     }
 

@@ -42,7 +42,7 @@ use dynamo_kv_router::protocols::{
 use dynamo_kv_router::{ConcurrentRadixTreeCompressed, radix_tree::RadixTree as DynamoTree};
 use kv_epp_core::hashing::{HashSeed, SequenceHash, chain, hash_block};
 use kv_epp_core::index::holders::MAPPED_BYTES;
-use kv_epp_core::index::{EngineBlockHash, IndexLimits, KvIndex, Medium, Overlap, StoreBlocks};
+use kv_epp_core::index::{EngineBlockHash, IndexLimits, KvIndex, Medium, QueryAnswer, StoreBlocks};
 use kv_epp_core::worker::WorkerId;
 use radix_tree::{Config as SmgConfig, HolderId, OverlapScratch, RadixTree as SmgTree};
 
@@ -124,6 +124,8 @@ fn main() {
     );
     let shapes: &[(usize, usize)] = if smoke {
         &[(8, 2)]
+    } else if args.iter().any(|a| a == "--quick") {
+        &[(256, 1)]
     } else {
         &[(64, 1), (64, 4), (256, 1), (256, 4)]
     };
@@ -362,7 +364,7 @@ trait Index: Sync {
 /// Per-thread buffers a caller can keep between queries.
 #[derive(Default)]
 struct Reuse {
-    kv: Vec<Overlap>,
+    kv: QueryAnswer,
     smg_scratch: OverlapScratch,
     smg_out: Vec<radix_tree::Overlap>,
 }
@@ -422,17 +424,30 @@ impl Index for KvEpp {
         }
     }
     fn answer(&self, p: &Prompt) -> Vec<(usize, u32)> {
-        let mut out: Vec<(usize, u32)> = self
+        // The timed path's answer (compact, slots resolved afterwards) must equal the rows
+        // `query` returns, and both the naive model's.
+        let mut compact = QueryAnswer::default();
+        self.index.query_compact(&p.seqs, &mut compact);
+        let mut out: Vec<(usize, u32)> = compact
+            .rows()
+            .map(|(slot, _, total)| {
+                let w = self.index.worker_at(slot).expect("registered");
+                (self.by_id[&w], total)
+            })
+            .collect();
+        out.sort_unstable();
+        let mut rows: Vec<(usize, u32)> = self
             .index
             .query(&p.seqs)
             .iter()
             .map(|o| (self.by_id[&o.worker], o.total_blocks))
             .collect();
-        out.sort_unstable();
+        rows.sort_unstable();
+        assert_eq!(out, rows, "compact and row answers agree");
         out
     }
     fn query(&self, p: &Prompt, reuse: &mut Reuse) {
-        self.index.query_into(&p.seqs, &mut reuse.kv);
+        self.index.query_compact(&p.seqs, &mut reuse.kv);
         black_box(&reuse.kv);
     }
 }

@@ -86,6 +86,82 @@ pub struct Overlap {
     pub total_blocks: u32,
 }
 
+/// A worker's slot in one index: a compact handle that [`KvIndex::worker_at`] resolves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WorkerSlot(pub u32);
+
+/// Device run not broken (yet): the device count equals the total.
+const UNBROKEN: u32 = u32::MAX;
+
+/// A query's answer in compact form, reusable across queries (it keeps its buffers).
+///
+/// Workers are kept in the order their runs ended, cut into groups that ended at the same
+/// block, so a worker costs one slot id and a group one pair, whatever the prompt's length.
+#[derive(Default)]
+pub struct QueryAnswer {
+    /// Worker slots, in the order their runs ended (shorter first).
+    order: Vec<u32>,
+    /// (end in `order`, leading blocks held in any tier), by increasing end.
+    groups: Vec<(u32, u32)>,
+    /// Per slot: leading device blocks when the device run ended first, else [`UNBROKEN`].
+    device: Vec<u32>,
+    /// Per slot: position in `order` (valid where `mark` equals `stamp`).
+    pos_of: Vec<u32>,
+    mark: Vec<u32>,
+    stamp: u32,
+    holders: Vec<Holder>,
+}
+
+impl QueryAnswer {
+    fn begin(&mut self, slots: usize) {
+        self.order.clear();
+        self.groups.clear();
+        self.holders.clear();
+        if self.mark.len() < slots {
+            self.mark.resize(slots, 0);
+            self.pos_of.resize(slots, 0);
+            self.device.resize(slots, 0);
+        }
+        self.stamp = self.stamp.wrapping_add(1);
+        if self.stamp == 0 {
+            self.mark.iter_mut().for_each(|m| *m = 0);
+            self.stamp = 1;
+        }
+    }
+
+    /// Number of workers with an overlap.
+    pub fn len(&self) -> usize {
+        self.order.len()
+    }
+
+    /// Whether no worker holds the prompt's first block.
+    pub fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+
+    /// The most leading blocks any worker holds in any tier (0 when none).
+    pub fn best_total_blocks(&self) -> u32 {
+        self.groups.last().map_or(0, |g| g.1)
+    }
+
+    /// Every worker with an overlap: (slot, leading device blocks, leading blocks in any tier).
+    pub fn rows(&self) -> impl Iterator<Item = (WorkerSlot, u32, u32)> + '_ {
+        let mut start = 0usize;
+        self.groups.iter().flat_map(move |&(end, total)| {
+            let range = start..end as usize;
+            start = end as usize;
+            self.order[range].iter().map(move |&slot| {
+                let d = self.device[slot as usize];
+                (
+                    WorkerSlot(slot),
+                    if d == UNBROKEN { total } else { d },
+                    total,
+                )
+            })
+        })
+    }
+}
+
 /// Limits of one model's index.
 #[derive(Clone, Copy, Debug)]
 pub struct IndexLimits {
@@ -204,23 +280,7 @@ pub struct KvIndex {
 }
 
 thread_local! {
-    static SCRATCH: std::cell::RefCell<QueryScratch> = std::cell::RefCell::new(QueryScratch::default());
-}
-
-#[derive(Default)]
-struct QueryScratch {
-    holders: Vec<Holder>,
-    /// Per slot: (position last seen + 1, device length, total length, alive bits).
-    state: Vec<SlotState>,
-    active: Vec<u32>,
-}
-
-#[derive(Clone, Copy, Default)]
-struct SlotState {
-    seen: u32,
-    device: u32,
-    total: u32,
-    alive: u8,
+    static ANSWER: std::cell::RefCell<QueryAnswer> = std::cell::RefCell::new(QueryAnswer::default());
 }
 
 /// How far ahead the query prefetches holder slots.
@@ -530,8 +590,7 @@ impl KvIndex {
     }
 
     /// For a prompt's prefix hashes, each worker's contiguous leading overlap. Workers with no
-    /// overlap are omitted. Cost: one holder lookup per block until no worker is left, with no
-    /// lock taken.
+    /// overlap are omitted. Cost: see [`KvIndex::query_compact`], plus one row per worker.
     pub fn query(&self, seqs: &[SequenceHash]) -> Vec<Overlap> {
         let mut out = Vec::new();
         self.query_into(seqs, &mut out);
@@ -542,96 +601,104 @@ impl KvIndex {
     /// between queries allocates nothing once it is large enough.
     pub fn query_into(&self, seqs: &[SequenceHash], results: &mut Vec<Overlap>) {
         results.clear();
-        if seqs.is_empty() {
-            return;
-        }
         let guard = epoch::pin();
         // SAFETY: see `with_registry`.
         let registry = unsafe { self.registry.load(Ordering::Acquire, &guard).deref() };
-        SCRATCH.with(|scratch| {
-            let mut s = scratch.borrow_mut();
-            let QueryScratch {
-                holders,
-                state,
-                active,
-            } = &mut *s;
-            if state.len() < registry.by_slot.len() {
-                state.resize(registry.by_slot.len(), SlotState::default());
+        ANSWER.with(|answer| {
+            let mut answer = answer.borrow_mut();
+            self.walk(seqs, registry.by_slot.len(), &guard, &mut answer);
+            results.extend(answer.rows().filter_map(|(slot, device, total)| {
+                let worker = (*registry.by_slot.get(slot.0 as usize)?)?;
+                Some(Overlap {
+                    worker,
+                    device_blocks: device,
+                    total_blocks: total,
+                })
+            }));
+        });
+    }
+
+    /// The same answer in compact form, into a caller's reusable [`QueryAnswer`]: worker slots
+    /// grouped by how many leading blocks they hold, so the cost follows the prompt's blocks and
+    /// the holders of each block that are still in the running, not workers × blocks. Resolve a
+    /// slot with [`KvIndex::worker_at`]. Takes no lock; never waits for a writer.
+    pub fn query_compact(&self, seqs: &[SequenceHash], answer: &mut QueryAnswer) {
+        let guard = epoch::pin();
+        // SAFETY: see `with_registry`.
+        let registry = unsafe { self.registry.load(Ordering::Acquire, &guard).deref() };
+        self.walk(seqs, registry.by_slot.len(), &guard, answer);
+    }
+
+    /// The worker registered in `slot`, if any (slots come from [`KvIndex::query_compact`]).
+    pub fn worker_at(&self, slot: WorkerSlot) -> Option<WorkerId> {
+        self.with_registry(|r| r.by_slot.get(slot.0 as usize).copied().flatten())
+    }
+
+    fn walk(&self, seqs: &[SequenceHash], slots: usize, guard: &epoch::Guard, a: &mut QueryAnswer) {
+        a.begin(slots);
+        let Some(first) = seqs.first() else { return };
+        for seq in seqs.iter().take(PREFETCH_DISTANCE) {
+            self.holders.prefetch(seq.0, guard);
+        }
+        self.holders.lookup(first.0, guard, &mut a.holders);
+        for h in &a.holders {
+            let slot = h.slot() as usize;
+            if slot >= slots || a.mark[slot] == a.stamp {
+                continue; // registered after this query began
             }
-            active.clear();
-            for seq in seqs.iter().take(PREFETCH_DISTANCE) {
-                self.holders.prefetch(seq.0, &guard);
+            a.mark[slot] = a.stamp;
+            a.pos_of[slot] = a.order.len() as u32;
+            a.device[slot] = if h.tiers() & 0b01 != 0 { UNBROKEN } else { 0 };
+            a.order.push(slot as u32);
+        }
+        let mut live = 0usize;
+        for (pos, seq) in seqs.iter().enumerate().skip(1) {
+            if live == a.order.len() {
+                break;
             }
-            // A worker whose run of leading blocks ended: report it and reset its slot.
-            let finish = |slot: u32, state: &mut [SlotState], results: &mut Vec<Overlap>| {
-                let st = &mut state[slot as usize];
-                if let Some(Some(worker)) = registry.by_slot.get(slot as usize) {
-                    results.push(Overlap {
-                        worker: *worker,
-                        device_blocks: st.device,
-                        total_blocks: st.total,
-                    });
+            if let Some(ahead) = seqs.get(pos + PREFETCH_DISTANCE) {
+                self.holders.prefetch(ahead.0, guard);
+            }
+            a.holders.clear();
+            self.holders.lookup(seq.0, guard, &mut a.holders);
+            // Survivors move to the back of the live range; what stays in front ends here.
+            let mut back = a.order.len();
+            for h in &a.holders {
+                let slot = h.slot() as usize;
+                if slot >= slots || a.mark[slot] != a.stamp {
+                    continue;
                 }
-                st.seen = 0;
-            };
-            for (pos, seq) in seqs.iter().enumerate() {
-                if let Some(ahead) = seqs.get(pos + PREFETCH_DISTANCE) {
-                    self.holders.prefetch(ahead.0, &guard);
+                let i = a.pos_of[slot] as usize;
+                if i < live || i >= back {
+                    continue; // ended earlier (or, defensively, already counted here)
                 }
-                holders.clear();
-                self.holders.lookup(seq.0, &guard, holders);
-                let mark = pos as u32 + 1;
-                for h in holders.iter() {
-                    let slot = h.slot() as usize;
-                    if slot >= state.len() {
-                        continue; // registered after this query began
-                    }
-                    let st = &mut state[slot];
-                    if pos == 0 {
-                        *st = SlotState {
-                            seen: mark,
-                            device: 0,
-                            total: 0,
-                            alive: 0b11,
-                        };
-                        active.push(slot as u32);
-                    } else if st.seen != pos as u32 {
-                        continue; // dropped out earlier (or never active)
-                    }
-                    st.seen = mark;
-                    if st.alive & 0b01 != 0 && h.tiers() & 0b01 != 0 {
-                        st.device += 1;
-                    } else {
-                        st.alive &= !0b01;
-                    }
-                    st.total += 1;
-                }
-                // Workers not seen at this position stop here.
-                active.retain(|&slot| {
-                    if state[slot as usize].seen == mark {
-                        return true;
-                    }
-                    finish(slot, state, results);
-                    false
-                });
-                if active.is_empty() {
-                    break;
+                back -= 1;
+                let other = a.order[back];
+                a.order.swap(i, back);
+                a.pos_of[other as usize] = i as u32;
+                a.pos_of[slot] = back as u32;
+                if h.tiers() & 0b01 == 0 && a.device[slot] == UNBROKEN {
+                    a.device[slot] = pos as u32;
                 }
             }
-            for &slot in active.iter() {
-                finish(slot, state, results);
+            if back > live {
+                a.groups.push((back as u32, pos as u32));
             }
-        })
+            live = back;
+        }
+        if live < a.order.len() {
+            a.groups.push((a.order.len() as u32, seqs.len() as u32));
+        }
     }
 
     /// The most leading blocks of `seqs` any one worker holds, in any tier (0 when none): the
-    /// best credit [`KvIndex::query`] can give a prompt. Same cost as `query`.
+    /// best credit [`KvIndex::query`] can give a prompt. Same cost as `query_compact`.
     pub fn best_total_blocks(&self, seqs: &[SequenceHash]) -> u32 {
-        self.query(seqs)
-            .iter()
-            .map(|o| o.total_blocks)
-            .max()
-            .unwrap_or(0)
+        ANSWER.with(|answer| {
+            let mut answer = answer.borrow_mut();
+            self.query_compact(seqs, &mut answer);
+            answer.best_total_blocks()
+        })
     }
 
     /// Heap bytes of the index's tables (holder slots and worker maps), for memory accounting.

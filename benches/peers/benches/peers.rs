@@ -431,7 +431,7 @@ impl Index for KvEpp {
         let mut out: Vec<(usize, u32)> = compact
             .rows()
             .map(|(slot, _, total)| {
-                let w = self.index.worker_at(slot).expect("registered");
+                let w = self.index.worker_at(&compact, slot).expect("registered");
                 (self.by_id[&w], total)
             })
             .collect();
@@ -713,6 +713,7 @@ fn settle() {
     for _ in 0..64 {
         crossbeam_epoch::pin().flush();
     }
+    kv_epp_core::index::holders::reclaim_retired();
 }
 
 fn run_shape(trace: &[Request], workers: usize, tenants: usize, s: &Settings) {
@@ -805,5 +806,162 @@ fn run_shape(trace: &[Request], workers: usize, tenants: usize, s: &Settings) {
     } else if !kv.exact {
         panic!("kv-epp's answers differ from the naive model");
     }
+    writer_figures(&stream, &seeds, workers, s);
+    churn_figure(
+        &stream,
+        &seeds,
+        workers,
+        if s.query_rounds > 1000 { 10_000 } else { 200 },
+    );
     println!();
+}
+
+/// kv-epp's memory after worker churn: a pool holding the stream, then `cycles` times a worker
+/// joins, stores a prompt's blocks, clears, stores again and leaves (a pool whose pods come and
+/// go). Figure: live bytes after over before (goal: within 5%).
+fn churn_figure(stream: &Stream, seeds: &[HashSeed], workers: usize, cycles: usize) {
+    let kv = KvEpp::new(workers);
+    for ev in &stream.events {
+        apply_kv(&kv, ev, ev.worker, seeds);
+    }
+    let big = stream
+        .events
+        .iter()
+        .filter(|e| e.parent.is_none())
+        .max_by_key(|e| e.engine_hashes.len())
+        .expect("an event");
+    let cycle = |c: usize| {
+        let addr: SocketAddr = format!("10.200.{}.{}:9000", (c / 256) % 256, c % 256)
+            .parse()
+            .expect("address");
+        let w = WorkerId::new(addr);
+        kv.index.add_worker(w);
+        let hashes: Vec<EngineBlockHash> = big
+            .engine_hashes
+            .iter()
+            .map(|&h| EngineBlockHash(h))
+            .collect();
+        let store = || {
+            kv.index
+                .store(
+                    &w,
+                    &StoreBlocks {
+                        parent: None,
+                        root_seed: Some(seeds[big.tenant]),
+                        engine_hashes: &hashes,
+                        tokens: &big.tokens,
+                        medium: Medium::Device,
+                    },
+                )
+                .expect("store");
+        };
+        store();
+        kv.index.clear_worker(&w).expect("registered");
+        store();
+        kv.index.remove_worker(&w);
+    };
+    for c in 0..100 {
+        cycle(c);
+    }
+    settle();
+    let before = live_bytes();
+    let t = Instant::now();
+    for c in 100..100 + cycles {
+        cycle(c);
+    }
+    let elapsed = t.elapsed();
+    settle();
+    let after = live_bytes();
+    println!(
+        "  kv-epp after {cycles} worker add/store/clear/remove cycles: memory {:.3}x of before ({before} -> {after} bytes; goal within 5%: {}), {:.1} µs per cycle",
+        after as f64 / before as f64,
+        if after.abs_diff(before) * 20 <= before {
+            "met"
+        } else {
+            "NOT met"
+        },
+        elapsed.as_secs_f64() * 1e6 / cycles as f64
+    );
+}
+
+/// kv-epp's query latency with and without a writer thread applying events flat out meanwhile:
+/// a second set of workers stores the whole stream (the tables grow) and is cleared (the tables
+/// drop their tombstones or shrink), over and over.
+fn writer_figures(stream: &Stream, seeds: &[HashSeed], workers: usize, s: &Settings) {
+    let kv = KvEpp::new(workers * 2);
+    for ev in &stream.events {
+        apply_kv(&kv, ev, ev.worker, seeds);
+    }
+    let lat = |kv: &KvEpp| {
+        let mut answer = QueryAnswer::default();
+        let mut lat = Vec::with_capacity(s.query_rounds);
+        for i in 0..s.query_rounds {
+            let p = &stream.prompts[(i * 7919) % stream.prompts.len()];
+            let t = Instant::now();
+            kv.index.query_compact(&p.seqs, &mut answer);
+            lat.push(t.elapsed().as_nanos() as u64);
+            black_box(&answer);
+        }
+        lat.sort_unstable();
+        lat
+    };
+    let idle = lat(&kv);
+    let stop = AtomicBool::new(false);
+    let ops = AtomicUsize::new(0);
+    let (busy, elapsed) = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                for ev in &stream.events {
+                    apply_kv(&kv, ev, ev.worker + workers, seeds);
+                    ops.fetch_add(ev.engine_hashes.len(), Ordering::Relaxed);
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                }
+                for w in workers..workers * 2 {
+                    let n = kv.index.clear_worker(&kv.ids[w]).expect("registered");
+                    ops.fetch_add(n, Ordering::Relaxed);
+                }
+            }
+        });
+        let t = Instant::now();
+        let busy = lat(&kv);
+        let elapsed = t.elapsed();
+        stop.store(true, Ordering::Relaxed);
+        (busy, elapsed)
+    });
+    println!(
+        "  kv-epp under a full-rate writer ({:.2} M block ops/s meanwhile): query p50 {:.2} µs (idle {:.2}), p99 {:.2} µs (idle {:.2}): p99 {:.2}x of idle (goal <= 2.0: {})",
+        ops.load(Ordering::Relaxed) as f64 / elapsed.as_secs_f64() / 1e6,
+        percentile(&busy, 0.5) / 1e3,
+        percentile(&idle, 0.5) / 1e3,
+        percentile(&busy, 0.99) / 1e3,
+        percentile(&idle, 0.99) / 1e3,
+        percentile(&busy, 0.99) / percentile(&idle, 0.99),
+        if percentile(&busy, 0.99) <= 2.0 * percentile(&idle, 0.99) {
+            "met"
+        } else {
+            "NOT met"
+        }
+    );
+}
+
+fn apply_kv(kv: &KvEpp, ev: &StoreEvent, worker: usize, seeds: &[HashSeed]) {
+    let hashes: Vec<EngineBlockHash> = ev
+        .engine_hashes
+        .iter()
+        .map(|&h| EngineBlockHash(h))
+        .collect();
+    kv.index
+        .store(
+            &kv.ids[worker],
+            &StoreBlocks {
+                parent: ev.parent.map(EngineBlockHash),
+                root_seed: Some(seeds[ev.tenant]),
+                engine_hashes: &hashes,
+                tokens: &ev.tokens,
+                medium: Medium::Device,
+            },
+        )
+        .expect("store");
 }

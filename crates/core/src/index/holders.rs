@@ -239,7 +239,7 @@ struct Shard {
 /// Tables replaced but not yet freed (all holder tables of the process).
 static RETIRED: AtomicUsize = AtomicUsize::new(0);
 
-/// The smallest table for `live` pairs at most half full.
+/// The smallest table for `live` pairs at most half full (the size a shrinking table takes).
 fn capacity_for(live: usize) -> usize {
     (live * 2).next_power_of_two().max(MIN_CAPACITY)
 }
@@ -346,7 +346,10 @@ impl HolderTable {
             }
             let mut rebuilt = false;
             if (state.used + 1) * 8 > table.slots.len() * 7 {
-                let cap = capacity_for(state.len);
+                // Doubles when at least half the slots are live, else only drops tombstones:
+                // the size then depends on the peak held, not on the order of past writes.
+                let cap = table.slots.len();
+                let cap = if state.len * 2 >= cap { cap * 2 } else { cap };
                 table = self.rebuild(shard, &mut state, table, cap, &guard);
                 rebuilt = true;
                 i = m as usize & table.mask;

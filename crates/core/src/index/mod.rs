@@ -35,7 +35,7 @@ pub mod worker_blocks;
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use crossbeam_epoch::{self as epoch, Atomic, Owned};
 use parking_lot::Mutex;
@@ -110,6 +110,8 @@ pub struct QueryAnswer {
     mark: Vec<u32>,
     stamp: u32,
     holders: Vec<Holder>,
+    /// The registry version the answer was computed against.
+    version: u64,
 }
 
 impl QueryAnswer {
@@ -258,14 +260,22 @@ struct WorkerEntry {
     id: WorkerId,
     slot: u32,
     blocks: Mutex<WorkerBlocks>,
+    /// Set (under `blocks`) when the worker is removed: a write that fetched this entry before
+    /// the removal must not put pairs under a slot that another worker may take later.
+    retired: AtomicBool,
 }
 
 /// Copy-on-write worker registry, read lock-free by queries.
 #[derive(Default, Clone)]
 struct Registry {
     by_id: HashMap<WorkerId, Arc<WorkerEntry>>,
-    /// Slot → worker; slots are never reused, so a stale slot read by a query maps to `None`.
+    /// Slot → worker. A removed worker's slot is reused only after its pairs left the holder
+    /// table and every query that could have seen them has ended (an epoch grace period).
     by_slot: Vec<Option<WorkerId>>,
+    /// Per slot, the registry version at which its current worker took it.
+    taken_at: Vec<u64>,
+    /// Bumped by every change.
+    version: u64,
 }
 
 /// The index of one model.
@@ -275,6 +285,8 @@ pub struct KvIndex {
     holders: HolderTable,
     registry: Atomic<Registry>,
     registry_writer: Mutex<()>,
+    /// Slots of removed workers whose grace period has passed, ready for reuse.
+    free_slots: Arc<Mutex<Vec<u32>>>,
     pairs: AtomicUsize,
     counters: IndexCounters,
 }
@@ -295,6 +307,7 @@ impl KvIndex {
             holders: HolderTable::new(),
             registry: Atomic::new(Registry::default()),
             registry_writer: Mutex::new(()),
+            free_slots: Arc::default(),
             pairs: AtomicUsize::new(0),
             counters: IndexCounters::default(),
         }
@@ -327,12 +340,15 @@ impl KvIndex {
         let guard = epoch::pin();
         // SAFETY: as in `with_registry`; we hold the writer lock, so nobody else replaces it.
         let mut next = unsafe { self.registry.load(Ordering::Acquire, &guard).deref() }.clone();
+        next.version += 1;
         f(&mut next);
         let old = self
             .registry
             .swap(Owned::new(next), Ordering::AcqRel, &guard);
         // SAFETY: unlinked above; pinned readers keep it alive until they unpin.
         unsafe { guard.defer_destroy(old) };
+        // Into the global queue, so an idle writer thread does not keep it in its own bag.
+        guard.flush();
     }
 
     fn entry(&self, worker: &WorkerId) -> Result<Arc<WorkerEntry>, IndexError> {
@@ -347,14 +363,24 @@ impl KvIndex {
             if r.by_id.contains_key(&id) {
                 return;
             }
-            let slot = r.by_slot.len() as u32;
-            r.by_slot.push(Some(id));
+            let slot = match self.free_slots.lock().pop() {
+                Some(slot) => slot,
+                None if r.by_slot.len() < holders::MAX_SLOTS as usize => {
+                    r.by_slot.push(None);
+                    r.taken_at.push(0);
+                    (r.by_slot.len() - 1) as u32
+                }
+                None => return, // 2^30 - 1 live workers: refuse rather than alias
+            };
+            r.by_slot[slot as usize] = Some(id);
+            r.taken_at[slot as usize] = r.version;
             r.by_id.insert(
                 id,
                 Arc::new(WorkerEntry {
                     id,
                     slot,
                     blocks: Mutex::new(WorkerBlocks::default()),
+                    retired: AtomicBool::new(false),
                 }),
             );
             added = true;
@@ -371,7 +397,23 @@ impl KvIndex {
                 *s = None;
             }
         });
-        self.drop_blocks(&entry, &mut entry.blocks.lock())
+        let dropped = {
+            let mut blocks = entry.blocks.lock();
+            entry.retired.store(true, Ordering::Relaxed);
+            let n = self.drop_blocks(&entry, &mut blocks);
+            *blocks = WorkerBlocks::default();
+            n
+        };
+        // Its pairs are gone; once every query that may have read them has ended, the slot can
+        // serve another worker.
+        let free = self.free_slots.clone();
+        let slot = entry.slot;
+        let guard = epoch::pin();
+        guard.defer(move || free.lock().push(slot));
+        guard.flush();
+        drop(guard);
+        holders::reclaim_retired();
+        dropped
     }
 
     /// The registered workers.
@@ -427,6 +469,9 @@ impl KvIndex {
         }
         let entry = self.entry(worker)?;
         let mut blocks = entry.blocks.lock();
+        if entry.retired.load(Ordering::Relaxed) {
+            return Err(IndexError::UnknownWorker(*worker));
+        }
         let mut out = StoreOutcome::default();
         if blocks.len() + n > self.limits.max_blocks_per_worker {
             let dropped = self.drop_blocks(&entry, &mut blocks);
@@ -606,7 +651,7 @@ impl KvIndex {
         let registry = unsafe { self.registry.load(Ordering::Acquire, &guard).deref() };
         ANSWER.with(|answer| {
             let mut answer = answer.borrow_mut();
-            self.walk(seqs, registry.by_slot.len(), &guard, &mut answer);
+            self.walk(seqs, registry, &guard, &mut answer);
             results.extend(answer.rows().filter_map(|(slot, device, total)| {
                 let worker = (*registry.by_slot.get(slot.0 as usize)?)?;
                 Some(Overlap {
@@ -626,16 +671,31 @@ impl KvIndex {
         let guard = epoch::pin();
         // SAFETY: see `with_registry`.
         let registry = unsafe { self.registry.load(Ordering::Acquire, &guard).deref() };
-        self.walk(seqs, registry.by_slot.len(), &guard, answer);
+        self.walk(seqs, registry, &guard, answer);
     }
 
-    /// The worker registered in `slot`, if any (slots come from [`KvIndex::query_compact`]).
-    pub fn worker_at(&self, slot: WorkerSlot) -> Option<WorkerId> {
-        self.with_registry(|r| r.by_slot.get(slot.0 as usize).copied().flatten())
+    /// The worker of `slot` in `answer` (from [`KvIndex::query_compact`]): `None` when that
+    /// worker was removed since, including when its slot now serves another worker.
+    pub fn worker_at(&self, answer: &QueryAnswer, slot: WorkerSlot) -> Option<WorkerId> {
+        self.with_registry(|r| {
+            let i = slot.0 as usize;
+            if *r.taken_at.get(i)? > answer.version {
+                return None;
+            }
+            r.by_slot.get(i).copied().flatten()
+        })
     }
 
-    fn walk(&self, seqs: &[SequenceHash], slots: usize, guard: &epoch::Guard, a: &mut QueryAnswer) {
+    fn walk(
+        &self,
+        seqs: &[SequenceHash],
+        registry: &Registry,
+        guard: &epoch::Guard,
+        a: &mut QueryAnswer,
+    ) {
+        let slots = registry.by_slot.len();
         a.begin(slots);
+        a.version = registry.version;
         let Some(first) = seqs.first() else { return };
         for seq in seqs.iter().take(PREFETCH_DISTANCE) {
             self.holders.prefetch(seq.0, guard);
@@ -789,6 +849,9 @@ impl KvIndex {
     ) -> Result<usize, IndexError> {
         let entry = self.entry(id)?;
         let mut blocks = entry.blocks.lock();
+        if entry.retired.load(Ordering::Relaxed) {
+            return Err(IndexError::UnknownWorker(*id));
+        }
         let mut restored = 0;
         for b in run {
             let tiers = b.tiers & 0b11;

@@ -122,6 +122,7 @@ fn main() {
          trace: {name}, {} requests, {BLOCK}-token blocks, a shared system-prompt block on every worker\n",
         trace.len()
     );
+    hashing(smoke);
     let shapes: &[(usize, usize)] = if smoke {
         &[(8, 2)]
     } else if args.iter().any(|a| a == "--quick") {
@@ -135,6 +136,49 @@ fn main() {
     if smoke {
         println!("(smoke run; `make bench` runs the full comparison)");
     }
+}
+
+/// kv-epp's salted local + chained block hashes against raw XXH3 over the same token bytes
+/// (goal: >= 0.6x of raw), for 16- and 512-token blocks.
+fn hashing(smoke: bool) {
+    use kv_epp_core::hashing::prompt_hashes;
+    let n = if smoke { 1 << 14 } else { 1 << 20 };
+    let mut rng = 1u64;
+    let tokens: Vec<u32> = (0..n)
+        .map(|_| (splitmix(&mut rng) % 128_000) as u32)
+        .collect();
+    let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+    let seed = HashSeed::new(Some("adapter"), Some("tenant-a"));
+    let best = |f: &mut dyn FnMut()| {
+        (0..if smoke { 1 } else { 15 })
+            .map(|_| {
+                let t = Instant::now();
+                f();
+                t.elapsed()
+            })
+            .min()
+            .unwrap_or_default()
+    };
+    for block in [16usize, 512] {
+        let raw = best(&mut || {
+            let mut acc = 0u64;
+            for chunk in bytes.chunks_exact(block * 4) {
+                acc ^= xxhash_rust::xxh3::xxh3_64_with_seed(chunk, seed.0);
+            }
+            black_box(acc);
+        });
+        let full = best(&mut || {
+            black_box(prompt_hashes(&tokens, block, seed));
+        });
+        let ratio = raw.as_secs_f64() / full.as_secs_f64();
+        println!(
+            "hashing, {block}-token blocks: local + chained {:.0} MB/s vs raw xxh3_64 {:.0} MB/s: {ratio:.2}x of raw (goal >= 0.6: {})",
+            bytes.len() as f64 / full.as_secs_f64() / 1e6,
+            bytes.len() as f64 / raw.as_secs_f64() / 1e6,
+            if ratio >= 0.6 { "met" } else { "NOT met" }
+        );
+    }
+    println!();
 }
 
 /// One request: the trace's hash ids of its prompt.

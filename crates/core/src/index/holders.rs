@@ -455,6 +455,12 @@ impl HolderTable {
     /// lookup. Never waits for a writer.
     #[inline]
     pub fn lookup(&self, key: u64, guard: &Guard, out: &mut Vec<Holder>) {
+        self.for_each(key, guard, |h| out.push(h));
+    }
+
+    /// Calls `f` with every holder of `key`, as [`HolderTable::lookup`] finds them.
+    #[inline]
+    pub fn for_each(&self, key: u64, guard: &Guard, mut f: impl FnMut(Holder)) {
         let (shard, m) = self.locate(key);
         // SAFETY: the pointer is always valid while pinned (replaced tables are deferred).
         let table = unsafe { shard.table.load(Ordering::Acquire, guard).deref() };
@@ -466,7 +472,7 @@ impl HolderTable {
                 break;
             }
             if h != TOMBSTONE && table.slots[i].key() == key {
-                out.push(Holder(h));
+                f(Holder(h));
             }
             i = (i + 1) & table.mask;
         }

@@ -42,7 +42,7 @@ use parking_lot::Mutex;
 
 use crate::hashing::{HashSeed, SequenceHash, chain, hash_block};
 use crate::worker::WorkerId;
-use holders::{Holder, HolderTable, Inserted};
+use holders::{HolderTable, Inserted};
 use worker_blocks::{BlockEntry, UNKNOWN_NS, WorkerBlocks};
 pub use worker_blocks::{EngineBlockHash, ParentState};
 
@@ -109,7 +109,6 @@ pub struct QueryAnswer {
     pos_of: Vec<u32>,
     mark: Vec<u32>,
     stamp: u32,
-    holders: Vec<Holder>,
     /// The registry version the answer was computed against.
     version: u64,
 }
@@ -118,7 +117,6 @@ impl QueryAnswer {
     fn begin(&mut self, slots: usize) {
         self.order.clear();
         self.groups.clear();
-        self.holders.clear();
         if self.mark.len() < slots {
             self.mark.resize(slots, 0);
             self.pos_of.resize(slots, 0);
@@ -700,17 +698,17 @@ impl KvIndex {
         for seq in seqs.iter().take(PREFETCH_DISTANCE) {
             self.holders.prefetch(seq.0, guard);
         }
-        self.holders.lookup(first.0, guard, &mut a.holders);
-        for h in &a.holders {
+        let stamp = a.stamp;
+        self.holders.for_each(first.0, guard, |h| {
             let slot = h.slot() as usize;
-            if slot >= slots || a.mark[slot] == a.stamp {
-                continue; // registered after this query began
+            if slot >= slots || a.mark[slot] == stamp {
+                return; // registered after this query began
             }
-            a.mark[slot] = a.stamp;
+            a.mark[slot] = stamp;
             a.pos_of[slot] = a.order.len() as u32;
             a.device[slot] = if h.tiers() & 0b01 != 0 { UNBROKEN } else { 0 };
             a.order.push(slot as u32);
-        }
+        });
         let mut live = 0usize;
         for (pos, seq) in seqs.iter().enumerate().skip(1) {
             if live == a.order.len() {
@@ -719,18 +717,16 @@ impl KvIndex {
             if let Some(ahead) = seqs.get(pos + PREFETCH_DISTANCE) {
                 self.holders.prefetch(ahead.0, guard);
             }
-            a.holders.clear();
-            self.holders.lookup(seq.0, guard, &mut a.holders);
             // Survivors move to the back of the live range; what stays in front ends here.
             let mut back = a.order.len();
-            for h in &a.holders {
+            self.holders.for_each(seq.0, guard, |h| {
                 let slot = h.slot() as usize;
-                if slot >= slots || a.mark[slot] != a.stamp {
-                    continue;
+                if slot >= slots || a.mark[slot] != stamp {
+                    return;
                 }
                 let i = a.pos_of[slot] as usize;
                 if i < live || i >= back {
-                    continue; // ended earlier (or, defensively, already counted here)
+                    return; // ended earlier (or, defensively, already counted here)
                 }
                 back -= 1;
                 let other = a.order[back];
@@ -740,7 +736,7 @@ impl KvIndex {
                 if h.tiers() & 0b01 == 0 && a.device[slot] == UNBROKEN {
                     a.device[slot] = pos as u32;
                 }
-            }
+            });
             if back > live {
                 a.groups.push((back as u32, pos as u32));
             }

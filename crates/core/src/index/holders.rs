@@ -1,7 +1,7 @@
 //! The holder table: sequence hash → the workers (and tiers) that hold that prefix.
 //!
 //! A multimap stored as open addressing with linear probing: one slot per (prefix, worker) pair,
-//! all pairs of one prefix in the same probe run. Slots are two parallel arrays of atomics (8-byte
+//! all pairs of one prefix in the same probe run. A slot is 12 bytes of atomics (8-byte
 //! key, 4-byte holder), so a pair costs 12 bytes divided by the load factor.
 //!
 //! Concurrency: the table is split into a few shards by the key's top bits (few, so that each
@@ -29,6 +29,10 @@ use parking_lot::Mutex;
 pub const SHARDS: usize = 8;
 const SHARD_BITS: u32 = SHARDS.trailing_zeros();
 const MIN_CAPACITY: usize = 64;
+/// Most slots (live or tombstone) a table may fill, as a fraction. A lookup of a multimap reads
+/// its whole probe run (to the first empty slot), whose expected length grows as
+/// 1/(1 - load)²: ~32 slots at 7/8, ~8 at 3/4.
+const MAX_LOAD: (usize, usize) = (3, 4);
 /// The holder value of a removed pair: its key stays, so probe runs stay whole for readers.
 pub const TOMBSTONE: u32 = u32::MAX;
 /// Worker slots a holder can carry (the all-ones slot is the tombstone's).
@@ -345,7 +349,7 @@ impl HolderTable {
                 return Inserted::NewPair;
             }
             let mut rebuilt = false;
-            if (state.used + 1) * 8 > table.slots.len() * 7 {
+            if (state.used + 1) * MAX_LOAD.1 > table.slots.len() * MAX_LOAD.0 {
                 // Doubles when at least half the slots are live, else only drops tombstones:
                 // the size then depends on the peak held, not on the order of past writes.
                 let cap = table.slots.len();

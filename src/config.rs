@@ -86,8 +86,15 @@ pub struct EventsConfig {
     pub max_message_bytes: usize,
     /// vLLM ZeroMQ ports.
     pub zmq: ZmqConfig,
-    /// TensorRT-LLM polling.
+    /// TensorRT-LLM: the transport and polling.
     pub trtllm: TrtllmConfig,
+    /// Whether the engines publish the salt of salted stores (vLLM; SGLang since #30827, first
+    /// released in 0.5.18; TensorRT-LLM's HTTP drain from 1.3). `false` for engines that do not
+    /// (older SGLang, TensorRT-LLM's ZeroMQ publisher): their events still route unsalted
+    /// requests by prefix, salted requests get no prefix credit from them (routed on load), and
+    /// each salted request routed to them is counted in
+    /// `kv_epp_unisolated_salted_requests_total`.
+    pub salted_events: bool,
 }
 
 impl Default for EventsConfig {
@@ -97,6 +104,7 @@ impl Default for EventsConfig {
             max_message_bytes: crate::events::zmtp::Limits::default().max_message_bytes,
             zmq: ZmqConfig::default(),
             trtllm: TrtllmConfig::default(),
+            salted_events: true,
         }
     }
 }
@@ -115,14 +123,30 @@ impl EventsConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrtllmConfig {
-    /// Milliseconds between drains of `POST /kv_cache_events`.
+    /// Milliseconds between drains of `POST /kv_cache_events` (transport `http`).
     pub poll_interval_ms: u64,
+    /// How events leave the engine: `http` (the destructive drain, one reader per engine, owned
+    /// by one replica) or `zmq` (TensorRT-LLM's ZeroMQ publisher per rank, on the ports of
+    /// `events.zmq`; every replica subscribes, as for vLLM).
+    pub transport: TrtllmTransport,
+}
+
+/// How TensorRT-LLM's KV events are read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TrtllmTransport {
+    /// `POST /kv_cache_events`, polled.
+    #[default]
+    Http,
+    /// The ZeroMQ publisher (TensorRT-LLM PR #17023).
+    Zmq,
 }
 
 impl Default for TrtllmConfig {
     fn default() -> Self {
         TrtllmConfig {
             poll_interval_ms: 100,
+            transport: TrtllmTransport::Http,
         }
     }
 }
@@ -412,6 +436,7 @@ impl Config {
                 .as_deref()
                 .map(FingerprintKey::from_passphrase)
                 .unwrap_or_else(FingerprintKey::random),
+            salted_events: self.events.salted_events,
         }
     }
 
@@ -434,6 +459,7 @@ impl Config {
         let em = &self.engine_metrics;
         MembershipSettings {
             engine: self.events.engine,
+            trtllm_zmq: self.events.trtllm.transport == TrtllmTransport::Zmq,
             trtllm_interval: Duration::from_millis(self.events.trtllm.poll_interval_ms),
             scrape: (em.interval_ms > 0).then(|| {
                 (
@@ -456,6 +482,9 @@ impl Config {
             id,
             model: model.to_owned(),
             feed: self.feed_endpoints(&id, overrides),
+            // SGLang says where it publishes: ask it unless the worker names its endpoint.
+            probe_server_info: self.events.engine == EventEngine::Sglang
+                && overrides.is_none_or(|w| w.events_endpoint.is_none()),
         }
     }
 
@@ -545,9 +574,12 @@ impl Config {
         worker: &WorkerId,
         overrides: Option<&StaticWorker>,
     ) -> Option<crate::events::subscriber::FeedEndpoints> {
-        if !matches!(self.events.engine, EventEngine::Vllm | EventEngine::Sglang) {
-            return None;
-        }
+        let dialect = match (self.events.engine, self.events.trtllm.transport) {
+            (EventEngine::Vllm, _) => crate::events::vllm::Dialect::Vllm,
+            (EventEngine::Sglang, _) => crate::events::vllm::Dialect::Sglang,
+            (EventEngine::Trtllm, TrtllmTransport::Zmq) => crate::events::vllm::Dialect::Trtllm,
+            (EventEngine::Trtllm, TrtllmTransport::Http) | (EventEngine::None, _) => return None,
+        };
         let z = &self.events.zmq;
         let host = match worker.endpoint.ip() {
             IpAddr::V6(v6) => format!("[{v6}]"),
@@ -567,6 +599,7 @@ impl Config {
             events,
             replay,
             topic: z.topic.clone(),
+            dialect,
         })
     }
 }

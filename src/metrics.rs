@@ -64,6 +64,9 @@ pub struct Metrics {
     /// TLS handshakes refused or timed out, by listener (e.g. a client without an accepted
     /// certificate).
     pub tls_handshake_failures: Family<Labels, Counter>,
+    /// Salted requests routed to workers whose events carry no salt (`events.salted_events:
+    /// false`: older SGLang, TensorRT-LLM over ZeroMQ), by model: routed without isolation.
+    pub unisolated_salted_requests: Family<Labels, Counter>,
 }
 
 impl Default for Metrics {
@@ -202,8 +205,15 @@ impl Metrics {
             "TLS handshakes refused or timed out, by listener",
             tls_handshake_failures.clone(),
         );
+        let unisolated_salted_requests = Family::<Labels, Counter>::default();
+        registry.register(
+            "unisolated_salted_requests",
+            "Salted requests routed to workers whose KV events carry no salt (no tenant isolation in routing), by model",
+            unisolated_salted_requests.clone(),
+        );
         Metrics {
             registry,
+            unisolated_salted_requests,
             admin_unauthenticated,
             metrics_unauthenticated,
             tls_reloads,

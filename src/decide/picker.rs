@@ -36,6 +36,9 @@ pub struct Policy {
     pub salt: SaltPolicy,
     /// The key salts are fingerprinted under (the same on every replica makes logs comparable).
     pub fingerprints: FingerprintKey,
+    /// Whether the workers' events carry the salt of salted stores (`events.salted_events`):
+    /// when not, a salted request is routed without isolation and counted.
+    pub salted_events: bool,
 }
 
 impl std::fmt::Debug for Policy {
@@ -46,6 +49,7 @@ impl std::fmt::Debug for Policy {
             .field("max_inflight", &self.max_inflight)
             .field("unknown_model", &self.unknown_model)
             .field("salt", &self.salt)
+            .field("salted_events", &self.salted_events)
             .finish_non_exhaustive()
     }
 }

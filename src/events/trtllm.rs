@@ -157,6 +157,7 @@ fn stored(bs: usize, data: &Value) -> Result<Option<EngineEvent>, &'static str> 
         medium,
         // Checked above block by block against the model's: full blocks only.
         block_size: None,
+        session_id: None,
     })))
 }
 

@@ -472,6 +472,12 @@ impl StreamHandler {
             .observe(started.elapsed().as_secs_f64());
         metrics.request(&label_model, ROUTED);
         let labels = Metrics::labels(&[("model", &label_model)]);
+        if !self.picker.policy.salted_events && decision.request.salt.is_some() {
+            metrics
+                .unisolated_salted_requests
+                .get_or_create(&labels)
+                .inc();
+        }
         metrics
             .prompt_blocks
             .get_or_create(&labels)

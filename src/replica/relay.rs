@@ -402,6 +402,7 @@ fn split_event(ev: EngineEvent, max: usize) -> Vec<EngineEvent> {
                     tokens: whole.tokens[start..start + hashes.len() * bs].to_vec(),
                     medium: whole.medium,
                     block_size: whole.block_size,
+                    session_id: None,
                 }));
                 prev = hashes.last().copied();
             }
@@ -464,6 +465,7 @@ fn from_pb(ev: &pb::RelayEvent) -> Option<EngineEvent> {
                 Medium::Device
             },
             block_size: None,
+            session_id: None,
         }),
         Kind::Removed(r) => EngineEvent::Removed {
             engine_hashes: r
@@ -648,6 +650,7 @@ mod tests {
             tokens: (0..n as u32 * bs).collect(),
             medium: Medium::Device,
             block_size: Some(bs as usize),
+            session_id: None,
         });
         let rm = EngineEvent::Removed {
             engine_hashes: (0..n).step_by(7).map(EngineBlockHash).collect(),

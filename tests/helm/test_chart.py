@@ -812,6 +812,15 @@ def test_tensorrt_llm_workers_are_polled(chart):
     assert r.one("InferencePool")["spec"]["targetPorts"] == [{"number": 8000}, {"number": 8001}]
 
 
+def test_trtllm_over_zeromq_and_unsalted_engines(chart):
+    values = {"inferencePool": {"modelServerType": "trtllm-serve"}, "config": {"events": {
+        "trtllm": {"transport": "zmq"}, "salted_events": False, "zmq": {"port": 7000}}}}
+    events = render(chart, merged(values)).config["events"]
+    assert events["trtllm"] == {"poll_interval_ms": 100, "transport": "zmq"}
+    assert events["zmq"]["port"] == 7000, "every replica subscribes on the ZeroMQ ports"
+    assert events["salted_events"] is False
+
+
 @pytest.mark.parametrize(
     ("server", "engine", "expected"),
     [("vllm", "", "vllm"), ("sglang", "", "sglang"), ("trtllm-serve", "", "trtllm"), ("vllm", "none", "none")],

@@ -191,6 +191,7 @@ fn picker(spec: &FleetSpec, ids: &[WorkerId], cfg: &ScoringConfig) -> Picker {
         unknown_model: UnknownModel::LoadOnly,
         salt: SaltPolicy::default(),
         fingerprints: FingerprintKey::from_passphrase("kv-epp-sim"),
+        salted_events: true,
     };
     Picker::new(Arc::new(models), Arc::new(workers), policy)
 }
@@ -373,6 +374,7 @@ pub fn engine_event(ev: &CacheEvent, block_size: usize) -> EngineEvent {
             tokens,
             extra_keys,
             lora_name,
+            ..
         } => {
             let root_seed = if parent.is_none() {
                 let first: Vec<namespace::ExtraKey> = extra_keys
@@ -394,6 +396,7 @@ pub fn engine_event(ev: &CacheEvent, block_size: usize) -> EngineEvent {
                 tokens: tokens.clone(),
                 medium: Medium::Device,
                 block_size: Some(block_size),
+                session_id: None,
             })
         }
         CacheEvent::Removed { hashes: removed } => EngineEvent::Removed {

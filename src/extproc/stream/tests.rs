@@ -595,3 +595,34 @@ fn the_response_is_done_at_its_end_of_stream() {
     .unwrap();
     assert!(h.response_done());
 }
+
+#[test]
+fn salted_requests_to_engines_without_salted_events_are_counted() {
+    let count = |r: &Rig| {
+        r.metrics
+            .encode()
+            .lines()
+            .find(|l| l.starts_with("kv_epp_unisolated_salted_requests_total{"))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let send = |r: &Rig, tenant: Option<&str>| {
+        let mut h = r.handler();
+        let hs: Vec<(&str, &str)> = tenant.map(|t| ("x-tenant-id", t)).into_iter().collect();
+        h.on_message(headers(&hs, false, FULL_DUPLEX)).unwrap();
+        let out = h
+            .on_message(body(br#"{"model":"m","prompt":[1,2,3,4]}"#, true))
+            .unwrap();
+        assert!(immediate_status(&out).is_none(), "routed");
+    };
+    // Engines whose events carry no salt: each salted request is counted, unsalted ones are not.
+    let r = router("events: {engine: sglang, salted_events: false}\n");
+    send(&r, Some("tenant-a"));
+    send(&r, None);
+    send(&r, Some("tenant-b"));
+    assert_eq!(count(&r), 2);
+    // The default: salts are in the events, nothing to count.
+    let r = router("events: {engine: sglang}\n");
+    send(&r, Some("tenant-a"));
+    assert_eq!(count(&r), 0);
+}

@@ -31,6 +31,7 @@
 //! whole (counted as evicted) and rebuilt from its next events.
 
 pub mod holders;
+pub mod sessions;
 pub mod worker_blocks;
 
 use std::collections::HashMap;
@@ -43,6 +44,7 @@ use parking_lot::Mutex;
 use crate::hashing::{HashSeed, SequenceHash, chain, hash_block};
 use crate::worker::WorkerId;
 use holders::{HolderTable, Inserted};
+use sessions::SessionTails;
 use worker_blocks::{BlockEntry, UNKNOWN_NS, WorkerBlocks};
 pub use worker_blocks::{EngineBlockHash, ParentState};
 
@@ -261,6 +263,8 @@ struct WorkerEntry {
     /// Set (under `blocks`) when the worker is removed: a write that fetched this entry before
     /// the removal must not put pairs under a slot that another worker may take later.
     retired: AtomicBool,
+    /// Each engine session's newest stored block (see [`sessions`]).
+    sessions: Mutex<SessionTails>,
 }
 
 /// Copy-on-write worker registry, read lock-free by queries.
@@ -379,6 +383,7 @@ impl KvIndex {
                     slot,
                     blocks: Mutex::new(WorkerBlocks::default()),
                     retired: AtomicBool::new(false),
+                    sessions: Mutex::new(SessionTails::default()),
                 }),
             );
             added = true;
@@ -427,6 +432,7 @@ impl KvIndex {
     }
 
     fn drop_blocks(&self, entry: &WorkerEntry, blocks: &mut WorkerBlocks) -> usize {
+        entry.sessions.lock().clear();
         let drained = blocks.drain();
         for e in &drained {
             if e.ns() != UNKNOWN_NS && self.holders.remove(e.seq().0, entry.slot, 0b11).is_some() {
@@ -439,6 +445,22 @@ impl KvIndex {
     /// Blocks a worker holds (any tier, including unknown-namespace ones).
     pub fn worker_blocks(&self, id: &WorkerId) -> Result<usize, IndexError> {
         Ok(self.entry(id)?.blocks.lock().len())
+    }
+
+    /// Records that an engine session of `worker` last stored the block `tail` (an unknown
+    /// worker is ignored: its feed is stopping).
+    pub fn note_session(&self, worker: &WorkerId, session: &str, tail: EngineBlockHash) {
+        if let Ok(entry) = self.entry(worker) {
+            entry.sessions.lock().note(session, tail);
+        }
+    }
+
+    /// The newest block an engine session stored on `worker`, while the worker still holds it:
+    /// where that session's prefix lives (session affinity builds on it).
+    pub fn session_tail(&self, worker: &WorkerId, session: &str) -> Option<EngineBlockHash> {
+        let entry = self.entry(worker).ok()?;
+        let tail = entry.sessions.lock().tail(session)?;
+        entry.blocks.lock().get_mut(tail).is_some().then_some(tail)
     }
 
     /// How a continuation of `parent` on `worker` would be decoded.

@@ -209,7 +209,15 @@ file never disagree. */}}
 {{- if or (eq $engine "vllm") (eq $engine "sglang") }}
 {{- $_ := set $events "zmq" $c.events.zmq }}
 {{- else if eq $engine "trtllm" }}
-{{- $_ := set $events "trtllm" $c.events.trtllm }}
+{{- $trtllm := omit $c.events.trtllm "transport" }}
+{{- if eq ($c.events.trtllm.transport | default "http") "zmq" }}
+{{- $_ := set $trtllm "transport" "zmq" }}
+{{- $_ := set $events "zmq" $c.events.zmq }}
+{{- end }}
+{{- $_ := set $events "trtllm" $trtllm }}
+{{- end }}
+{{- if eq (toString $c.events.salted_events) "false" }}
+{{- $_ := set $events "salted_events" false }}
 {{- end }}
 {{- $out := dict
       "server" $server

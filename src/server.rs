@@ -103,6 +103,20 @@ pub(crate) fn incoming(listener: TcpListener) -> TcpIncoming {
     TcpIncoming::from(listener).with_nodelay(Some(true))
 }
 
+/// An HTTP listener (metrics, admin) whose accepted connections have TCP_NODELAY set, for the
+/// same reason as [`incoming`]: a response written in pieces must not wait on Nagle.
+pub(crate) fn http_incoming(
+    listener: TcpListener,
+) -> axum::serve::TapIo<TcpListener, fn(&mut tokio::net::TcpStream)> {
+    use axum::serve::ListenerExt;
+    fn nodelay(tcp: &mut tokio::net::TcpStream) {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "could not set TCP_NODELAY on an HTTP connection");
+        }
+    }
+    listener.tap_io(nodelay as fn(&mut tokio::net::TcpStream))
+}
+
 async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, ServeError> {
     TcpListener::bind(addr)
         .await
@@ -390,7 +404,7 @@ impl Server {
                 let _ = stop.wait_for(|s| *s).await;
             };
             let app = app.into_make_service_with_connect_info::<SocketAddr>();
-            if let Err(e) = axum::serve(metrics_l, app)
+            if let Err(e) = axum::serve(http_incoming(metrics_l), app)
                 .with_graceful_shutdown(done)
                 .await
             {
@@ -437,7 +451,7 @@ impl Server {
                 let _ = stop.wait_for(|s| *s).await;
             };
             let admin = admin.into_make_service_with_connect_info::<SocketAddr>();
-            if let Err(e) = axum::serve(admin_l, admin)
+            if let Err(e) = axum::serve(http_incoming(admin_l), admin)
                 .with_graceful_shutdown(done)
                 .await
             {
@@ -553,6 +567,21 @@ mod tests {
         let mut accepted = incoming(listener);
         let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
         let conn = accepted.next().await.unwrap().unwrap();
+        assert!(
+            conn.nodelay().unwrap(),
+            "TCP_NODELAY on the accepted socket"
+        );
+    }
+
+    /// So has every connection the metrics and admin listeners accept.
+    #[tokio::test]
+    async fn accepted_http_connections_have_tcp_nodelay() {
+        use axum::serve::Listener;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut accepted = http_incoming(listener);
+        let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (conn, _) = accepted.accept().await;
         assert!(
             conn.nodelay().unwrap(),
             "TCP_NODELAY on the accepted socket"

@@ -113,11 +113,7 @@ fn ports() -> Ports {
 /// A fresh directory for one replica's files: tests run in parallel and reuse replica names,
 /// so no two replicas may share a config or token file (a reader could see it half-written).
 fn dir() -> PathBuf {
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let d = std::env::temp_dir().join(format!("kv-epp-replicas-{}-{n}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::test_dir("replicas")
 }
 
 impl Replica {
@@ -129,7 +125,7 @@ impl Replica {
     fn spawn_with(name: &str, p: &Ports, body: &str, peers: &[u16], peers_extra: &str) -> Replica {
         let d = dir();
         let token = d.join("token");
-        std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
+        common::write_file(&token, format!("{TOKEN}\n"));
         let peer_list: Vec<String> = peers.iter().map(|p| format!("'127.0.0.1:{p}'")).collect();
         let yaml = format!(
             "server: {{bind_address: 127.0.0.1, grpc_port: {}, grpc_health_port: {}, metrics_port: {}, admin_port: {}}}\n\
@@ -145,7 +141,7 @@ impl Replica {
             token.display()
         );
         let config = d.join(format!("{name}.yaml"));
-        std::fs::write(&config, yaml).unwrap();
+        common::write_file(&config, yaml);
         let mut r = Replica {
             name: name.into(),
             child: None,
@@ -493,7 +489,7 @@ async fn replicas_bootstrap_over_mutual_tls() {
     let tls_dir = || {
         let d = dir().join("peer-tls");
         ca.leaf(&["kv-epp-peers"]).write_to(&d);
-        std::fs::write(d.join("ca.crt"), ca.pem()).unwrap();
+        common::write_file(&d.join("ca.crt"), ca.pem());
         format!(", cert_path: '{}', server_name: kv-epp-peers", d.display())
     };
     let w = sim(0.0, 21).await;
@@ -557,7 +553,7 @@ fn replication_without_a_token_refuses_to_start() {
     let d = dir();
     let serve = |yaml: &str| {
         let config = d.join("anonymous.yaml");
-        std::fs::write(&config, yaml).unwrap();
+        common::write_file(&config, yaml);
         Command::new(env!("CARGO_BIN_EXE_kv-epp"))
             .args(["serve", "--validate-only", "--config-file"])
             .arg(&config)

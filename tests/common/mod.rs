@@ -5,6 +5,7 @@
 
 pub mod certs;
 pub mod extproc;
+pub mod replicas;
 pub mod sim;
 pub mod tokenizer_cases;
 

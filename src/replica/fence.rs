@@ -8,7 +8,10 @@
 //!   epoch it has seen for that source, and shows the claim in `Hello`. It does not claim while
 //!   a peer it sees holds a claim on the source (that peer stands down first when it sees it is
 //!   no longer the owner), and it gives its own claim up as soon as it sees a higher
-//!   `(epoch, instance)` claim. A claim becomes active (draining) only after the handoff delay.
+//!   `(epoch, instance)` claim, or, while draining, any draining claim of a peer (that peer may
+//!   not see it: a one-way cut). A claim becomes active (draining) only after the handoff delay.
+//!   Replicas also pass on the highest draining claim they know per source, so one that cannot
+//!   reach a new owner learns it was superseded from a peer that can.
 //! - **Leases.** Every drain must be admitted ([`Fencing::admit`]): the claim is active and its
 //!   lease, renewed by each completed probe round to `round start + 2.5 probe intervals` (a
 //!   probe waits at most one interval), has not run out on the monotonic clock. A process that was paused (SIGSTOP, a GC pause, a throttled
@@ -47,10 +50,13 @@ pub(crate) struct Claim {
 
 /// The highest active claim known for a source (ours or a peer's).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Fence {
-    epoch: u64,
-    owner: u64,
-    prev: Option<(u64, u64)>,
+pub(crate) struct Fence {
+    /// Its epoch.
+    pub epoch: u64,
+    /// The claiming replica.
+    pub owner: u64,
+    /// The owner before it and where that one's batches end.
+    pub prev: Option<(u64, u64)>,
 }
 
 /// What a drain is stamped with: the epoch it was admitted under and the previous owner's cut.
@@ -173,6 +179,12 @@ impl Fencing {
             }
             _ => false,
         }
+    }
+
+    /// The highest active claim known per source.
+    pub(crate) fn fences(&self) -> Vec<(WorkerId, Fence)> {
+        let st = self.inner.lock();
+        st.fences.iter().map(|(w, f)| (*w, *f)).collect()
     }
 
     /// Whether our claim on `w` is outranked by a higher active claim we know of (it can never

@@ -4,7 +4,7 @@
 //! Service lists every replica, ready or not), or Kubernetes EndpointSlices of `peers.service`.
 //! Every probe interval each address gets a `Hello`; the reply says which instance answers
 //! there (this replica recognises itself and skips its own address) and whether it is ready. A
-//! peer that has not answered for three intervals is gone: it owns nothing any more.
+//! peer that has not answered for four intervals (a probe waits one) is gone: it owns nothing any more.
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -78,7 +78,7 @@ impl Members {
             last_round: Mutex::new(None),
             refused: Mutex::new(HashMap::new()),
             lease: Duration::from_millis(config.probe_interval_ms * 5 / 2),
-            stale_after: Duration::from_millis(config.probe_interval_ms * 3),
+            stale_after: Duration::from_millis(config.probe_interval_ms * 4),
             max_message: config.max_message_bytes,
             tls,
         }
@@ -104,7 +104,7 @@ impl Members {
         v
     }
 
-    /// Addresses whose replica refused this replica's token within the last three probe
+    /// Addresses whose replica refused this replica's token within the last four probe
     /// intervals: present, but not trusted (and they do not trust us).
     pub fn refused(&self) -> Vec<SocketAddr> {
         let now = Instant::now();
@@ -273,16 +273,19 @@ pub(crate) async fn probe_loop(state: Arc<ReplicaState>) {
                     if m.refused.lock().remove(&addr).is_some() {
                         tracing::info!(peer = %addr, "peer accepts our token again");
                     }
-                    for c in &reply.claims {
+                    let fences = reply.fences.iter().filter(|f| f.owner != 0);
+                    for c in reply.claims.iter().chain(fences) {
                         if let Ok(w) = c.worker.parse() {
                             let prev = (c.prev_origin != 0).then_some((c.prev_origin, c.prev_seq));
-                            state.hub.fencing.observe_claim(
-                                w,
-                                reply.instance,
-                                c.epoch,
-                                c.active,
-                                prev,
-                            );
+                            let owner = if c.owner == 0 {
+                                reply.instance
+                            } else {
+                                c.owner
+                            };
+                            state
+                                .hub
+                                .fencing
+                                .observe_claim(w, owner, c.epoch, c.active, prev);
                         }
                     }
                     let prev = table.insert(
@@ -328,9 +331,9 @@ pub(crate) async fn probe_loop(state: Arc<ReplicaState>) {
         for (w, c) in state.hub.fencing.claims() {
             let name = w.to_string();
             let outranked = view.iter().any(|p| {
-                p.claims
-                    .iter()
-                    .any(|pc| pc.worker == name && (pc.epoch, p.instance) > (c.epoch, m.own))
+                p.claims.iter().any(|pc| {
+                    pc.worker == name && (pc.active || (pc.epoch, p.instance) > (c.epoch, m.own))
+                })
             });
             if c.active && !outranked && state.owner_of(&w) == Some(state.instance) {
                 state.hub.fencing.renew(&w, until);

@@ -79,7 +79,7 @@ pub struct PeersConfig {
     /// How long a starting replica waits for a ready peer to bootstrap from before it starts
     /// with an empty index.
     pub bootstrap_timeout_ms: u64,
-    /// How often peers are probed; a peer that missed three probes is not ready.
+    /// How often peers are probed; a peer that answered none of the last four probes is gone.
     pub probe_interval_ms: u64,
     /// Largest peer API message accepted or sent.
     pub max_message_bytes: usize,

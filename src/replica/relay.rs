@@ -570,8 +570,9 @@ fn from_pb(ev: &pb::RelayEvent) -> Option<EngineEvent> {
 /// and evens out what vanished origins relayed.
 ///
 /// Per source, each tick: a replica that is not the rendezvous owner gives its claim up and
-/// stops polling; the owner stands down before a higher claim of a peer it sees, does not claim
-/// while a peer it sees holds one, else claims (see [`super::fence`]) and activates the claim once
+/// stops polling; the owner stands down before a higher claim of a peer it sees (and, while
+/// draining, before any draining claim of a peer it sees), does not claim while a peer it sees
+/// holds one, else claims (see [`super::fence`]) and activates the claim once
 /// the handoff delay has passed, no ready peer still polls the source, it has applied what every
 /// ready peer had originated, and no catch-up of an origin that relayed this source is running.
 pub(crate) async fn maintain(state: Arc<ReplicaState>) {
@@ -643,7 +644,17 @@ pub(crate) async fn maintain(state: Arc<ReplicaState>) {
                 continue;
             }
             let ours = fencing.claim_of(w);
+            // A peer this replica sees drains the source too: back off whatever the ranks (the
+            // peer may not see us, and would never stand down); claims settle from scratch.
+            let peer_active = view
+                .iter()
+                .any(|m| m.claims.iter().any(|c| c.worker == name && c.active));
             match (&ours, peer_top) {
+                (Some(c), Some(_)) if c.active && peer_active => {
+                    owner_since.remove(w);
+                    stand_down(&state, w, "a peer drains the worker too: backing off");
+                    continue;
+                }
                 (Some(c), Some(top)) if (c.epoch, state.instance) < top => {
                     owner_since.remove(w);
                     stand_down(

@@ -78,6 +78,22 @@ impl Replica for Service {
                     active: c.active,
                     prev_origin: c.prev.map_or(0, |p| p.0),
                     prev_seq: c.prev.map_or(0, |p| p.1),
+                    owner: 0,
+                })
+                .collect(),
+            fences: self
+                .state
+                .hub
+                .fencing
+                .fences()
+                .into_iter()
+                .map(|(w, f)| pb::Claim {
+                    worker: w.to_string(),
+                    epoch: f.epoch,
+                    active: true,
+                    prev_origin: f.prev.map_or(0, |p| p.0),
+                    prev_seq: f.prev.map_or(0, |p| p.1),
+                    owner: f.owner,
                 })
                 .collect(),
             diverged: self

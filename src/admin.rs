@@ -452,15 +452,25 @@ async fn replica(State(s): State<AdminState>) -> Response {
         .iter()
         .map(|m| json!({"addr": m.addr.to_string(), "instance": hex(m.instance), "ready": m.ready}))
         .collect();
+    let refused: Vec<String> = r
+        .members
+        .refused()
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    let claims = r.hub.fencing.claims();
     let sources: Vec<Value> = s
         .feeds
         .single_readers()
         .iter()
         .map(|(w, _)| {
+            let claim = claims.iter().find(|(c, _)| c == w).map(|(_, c)| c);
             json!({
                 "worker": w.to_string(),
                 "owner": r.owner_of(w).map(hex),
                 "polling": s.feeds.is_owned_here(w),
+                "epoch": claim.map(|c| c.epoch),
+                "claim_active": claim.is_some_and(|c| c.active),
             })
         })
         .collect();
@@ -476,7 +486,9 @@ async fn replica(State(s): State<AdminState>) -> Response {
         "enabled": true,
         "instance": hex(r.instance),
         "ready": r.is_ready(),
+        "token_refused": r.is_token_refused(),
         "peers": peers,
+        "refused_by": refused,
         "single_reader_sources": sources,
         "relay_positions": relay,
         "counters": {
@@ -489,6 +501,8 @@ async fn replica(State(s): State<AdminState>) -> Response {
             "relay_resets": h.resets.get(),
             "relay_unplaced": h.unplaced.get(),
             "relay_caught_up": h.caught_up.get(),
+            "relay_fenced": h.fenced.get(),
+            "refused_by_peers": r.metrics.replica_refused_by_peers.get(),
         },
     }))
     .into_response()

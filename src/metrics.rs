@@ -54,6 +54,8 @@ pub struct Metrics {
     pub replica_snapshot_bytes: Counter,
     /// Peer API calls refused for a missing or wrong token.
     pub replica_unauthenticated: Counter,
+    /// Probes of this replica that a peer refused for its token.
+    pub replica_refused_by_peers: Counter,
     /// Admin API requests refused, by reason (`missing`, `malformed`, `invalid_token`).
     pub admin_unauthenticated: Family<Labels, Counter>,
     /// Metrics scrapes refused, by reason (`missing`, `malformed`, `invalid_token`,
@@ -190,6 +192,12 @@ impl Metrics {
             "Peer API calls refused for a missing or wrong token",
             replica_unauthenticated.clone(),
         );
+        let replica_refused_by_peers = Counter::default();
+        registry.register(
+            "replica_refused_by_peers",
+            "Probes of this replica that a peer refused for a wrong token (peers.token_file differs)",
+            replica_refused_by_peers.clone(),
+        );
         let admin_unauthenticated = Family::<Labels, Counter>::default();
         registry.register(
             "admin_unauthenticated",
@@ -244,6 +252,7 @@ impl Metrics {
             replica_blocks_restored,
             replica_snapshot_bytes,
             replica_unauthenticated,
+            replica_refused_by_peers,
             requests,
             decision_seconds,
             prompt_blocks,

@@ -208,10 +208,10 @@ impl Server {
         }
         let replica = match &config.peers.enabled() {
             true => {
-                let token = match &config.peers.token_file {
-                    Some(p) => Some(std::fs::read_to_string(p).map_err(|e| {
-                        ServeError::Peers(format!("peers.token_file {}: {e}", p.display()))
-                    })?),
+                let token = match config.peers.token_file.clone() {
+                    Some(p) => Some(crate::replica::PeerToken::File(Arc::new(
+                        peer_token_file(p).await?,
+                    ))),
                     None => None,
                 };
                 let mut peers = config.peers.clone();
@@ -540,6 +540,21 @@ async fn guards(
 fn local(l: &TcpListener) -> SocketAddr {
     l.local_addr()
         .expect("a bound listener has a local address")
+}
+
+/// Opens `peers.token_file`, waiting up to 10 s for a file that is missing, empty or being
+/// rewritten (not every tool replaces a Secret atomically).
+async fn peer_token_file(path: std::path::PathBuf) -> Result<TokenFile, ServeError> {
+    tokio::task::spawn_blocking(move || {
+        TokenFile::open_patiently(
+            "peers.token_file",
+            &path,
+            std::time::Duration::from_secs(10),
+        )
+    })
+    .await
+    .map_err(|e| ServeError::Peers(e.to_string()))?
+    .map_err(|e| ServeError::Peers(e.to_string()))
 }
 
 #[cfg(test)]

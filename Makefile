@@ -28,6 +28,7 @@ lint:
 
 unit:
 	KV_EPP_VENV=$(CURDIR)/.venv $(CARGO) test --workspace --all-targets
+	$(CARGO) test --manifest-path benches/peers/Cargo.toml --benches
 
 ## kv-epp-sim sim-worker (the real binary) against an independent msgspec/pyzmq decoder.
 sim-test:
@@ -46,9 +47,11 @@ helm-test:
 	KV_EPP_BIN=$(abspath $(or $(CARGO_TARGET_DIR),target))/debug/kv-epp .venv/bin/python -m pytest -q tests/helm
 
 ## Benchmarks print figures as ratios against a baseline measured in the same run.
-## TRACE=path/to/mooncake.jsonl adds a trace-driven run.
+## TRACE=path/to/mooncake.jsonl adds a trace-driven run (and replaces the peer comparison's
+## default trace, ../shared/data/mooncake_synthetic_trace.jsonl).
 bench: tools
 	$(CARGO) bench --bench core -- $(if $(TRACE),--trace $(TRACE),)
+	$(CARGO) bench --manifest-path benches/peers/Cargo.toml -- $(if $(TRACE),--trace $(TRACE),)
 	$(CARGO) bench --bench replica
 	$(CARGO) bench --bench decode
 	KV_EPP_VENV=$(CURDIR)/.venv $(CARGO) bench --bench tokenize

@@ -49,13 +49,16 @@ Each case:
 Chat rendering (what vLLM + transformers do, reproduced here):
   1. Message normalisation (request.messages -> template `messages`):
      - keep `role`; `content`: a string stays as is; null/absent -> ""; a list of parts ->
-       the `text` of every {"type":"text"} part joined with "\\n"; image/audio/other parts are
-       IGNORED (kv-epp policy for text-only routing: the engine would either reject them or add a
-       model-specific placeholder; we only need the text prefix).
+       the `text` of every {"type":"text"} part joined with "\\n" (vLLM's other text part types
+       and its refusal of unknown part types are covered by vllm_cases.json, see
+       scripts/gen_vllm_preproc_cases.py); image/audio parts are IGNORED (kv-epp policy for
+       text-only routing: the engine would either reject them or add a model-specific
+       placeholder; we only need the text prefix).
      - `name` is kept when it is a string.
      - assistant: `tool_calls` is kept when it is a non-empty list (an empty list is dropped);
-       each call's `function.arguments`, when a string, is parsed as JSON (invalid JSON -> {}),
-       so templates see an object; `reasoning` (if given) is exposed as both `reasoning` and
+       each call's `function.arguments` becomes an object as vLLM's `_postprocess_messages`
+       makes it: an object stays, a string is parsed as JSON, anything that is not an object
+       then (invalid JSON, a list, a number, an empty value) becomes {}; `reasoning` (if given) is exposed as both `reasoning` and
        `reasoning_content`.
      - tool: `tool_call_id` is kept.
      - keys whose value is null are dropped (transformers does that).
@@ -515,11 +518,10 @@ def to_template_messages(messages: list[dict]) -> list[dict]:
                     args = fn.get("arguments")
                     if isinstance(args, str):
                         try:
-                            fn["arguments"] = json.loads(args)
+                            args = json.loads(args)
                         except json.JSONDecodeError:
-                            fn["arguments"] = {}
-                    elif not isinstance(args, (dict, list)):
-                        fn["arguments"] = {}
+                            args = {}
+                    fn["arguments"] = args if isinstance(args, dict) else {}
                 t["tool_calls"] = calls
             if m.get("reasoning") is not None:
                 t["reasoning"] = m["reasoning"]

@@ -15,6 +15,8 @@
 //! - `GET /debug/digest`: per model, an order-independent digest of the index (no salts), so
 //!   replicas can be checked for convergence from outside.
 //! - `GET /debug/replica`: this instance, its peers, owners and relay positions.
+//! - `GET /debug/queues`: flow control's queue: totals, and each queued tenant by fingerprint
+//!   (band, weight, depth, bytes, virtual work counter, oldest wait, in flight).
 //! - `GET /healthz` ([`LIVENESS_PATH`]): `ok` while the process serves; the one route open
 //!   without the admin token (`server.rs` puts the others behind `crate::auth`).
 //!
@@ -59,6 +61,8 @@ pub struct AdminState {
     pub max_body_bytes: usize,
     /// ext_proc's `routing.retry_after_seconds`, sent with refusals the client may retry.
     pub retry_after_seconds: u32,
+    /// Flow control, for `/debug/queues`.
+    pub flow: Option<Arc<crate::flow::FlowControl>>,
 }
 
 /// The admin HTTP routes.
@@ -70,9 +74,17 @@ pub fn routes(state: AdminState) -> HttpRouter {
         .route("/workers", get(workers))
         .route("/debug/digest", get(digest))
         .route("/debug/replica", get(replica))
+        .route("/debug/queues", get(queues))
         .route(LIVENESS_PATH, get(|| async { "ok" }))
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(state)
+}
+
+async fn queues(State(st): State<AdminState>) -> Response {
+    match &st.flow {
+        Some(flow) => Json(flow.debug()).into_response(),
+        None => Json(json!({"enabled": false, "queued": 0, "tenants": []})).into_response(),
+    }
 }
 
 /// A 4xx answer with a JSON reason.
@@ -375,6 +387,7 @@ fn explanation(d: &Decision, feeds: &FeedStates) -> Value {
         "local": r.hashes.local.iter().map(|h| h.0).collect::<Vec<_>>(),
         "sequence": r.hashes.sequence.iter().map(|h| h.0).collect::<Vec<_>>(),
         "tokenize_failure": r.tokenize_failure.as_ref().map(ToString::to_string),
+        "unrenderable": r.unrenderable_reason(),
         "pick": d.pick.endpoint.to_string(),
         "pick_dp_rank": d.pick.dp_rank,
         "fallbacks": d.fallbacks.iter().map(|w| w.endpoint.to_string()).collect::<Vec<_>>(),
@@ -439,15 +452,25 @@ async fn replica(State(s): State<AdminState>) -> Response {
         .iter()
         .map(|m| json!({"addr": m.addr.to_string(), "instance": hex(m.instance), "ready": m.ready}))
         .collect();
+    let refused: Vec<String> = r
+        .members
+        .refused()
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    let claims = r.hub.fencing.claims();
     let sources: Vec<Value> = s
         .feeds
         .single_readers()
         .iter()
         .map(|(w, _)| {
+            let claim = claims.iter().find(|(c, _)| c == w).map(|(_, c)| c);
             json!({
                 "worker": w.to_string(),
                 "owner": r.owner_of(w).map(hex),
                 "polling": s.feeds.is_owned_here(w),
+                "epoch": claim.map(|c| c.epoch),
+                "claim_active": claim.is_some_and(|c| c.active),
             })
         })
         .collect();
@@ -463,7 +486,9 @@ async fn replica(State(s): State<AdminState>) -> Response {
         "enabled": true,
         "instance": hex(r.instance),
         "ready": r.is_ready(),
+        "token_refused": r.is_token_refused(),
         "peers": peers,
+        "refused_by": refused,
         "single_reader_sources": sources,
         "relay_positions": relay,
         "counters": {
@@ -476,6 +501,8 @@ async fn replica(State(s): State<AdminState>) -> Response {
             "relay_resets": h.resets.get(),
             "relay_unplaced": h.unplaced.get(),
             "relay_caught_up": h.caught_up.get(),
+            "relay_fenced": h.fenced.get(),
+            "refused_by_peers": r.metrics.replica_refused_by_peers.get(),
         },
     }))
     .into_response()

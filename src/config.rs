@@ -11,11 +11,12 @@ use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use crate::decide::UnknownModel;
 use crate::decide::{Picker, Policy};
+pub use crate::decide::{UnknownModel, UnrenderableRequests};
 use crate::discovery::DiscoverySettings;
 pub use crate::discovery::{DEFAULT_MODEL_LABEL, PoolApiVersion, PoolConfig};
 pub use crate::events::EventEngine;
+pub use crate::flow::{FlowControlConfig, TenantConfig, TenantPolicy};
 use crate::membership::{DesiredWorker, MembershipSettings};
 use crate::metrics::Metrics;
 use crate::models::{ModelSettings, ServedModels};
@@ -53,6 +54,8 @@ pub struct Config {
     pub engine_metrics: EngineMetricsConfig,
     /// Other kv-epp replicas (see `PeersConfig`).
     pub peers: PeersConfig,
+    /// Queuing at saturation, fairness between tenants, quotas (see `FlowControlConfig`).
+    pub flow_control: FlowControlConfig,
 }
 
 /// Scraping each worker's Prometheus `/metrics` for engine-reported load.
@@ -86,8 +89,15 @@ pub struct EventsConfig {
     pub max_message_bytes: usize,
     /// vLLM ZeroMQ ports.
     pub zmq: ZmqConfig,
-    /// TensorRT-LLM polling.
+    /// TensorRT-LLM: the transport and polling.
     pub trtllm: TrtllmConfig,
+    /// Whether the engines publish the salt of salted stores (vLLM; SGLang since #30827, first
+    /// released in 0.5.18; TensorRT-LLM's HTTP drain from 1.3). `false` for engines that do not
+    /// (older SGLang, TensorRT-LLM's ZeroMQ publisher): their events still route unsalted
+    /// requests by prefix, salted requests get no prefix credit from them (routed on load), and
+    /// each salted request routed to them is counted in
+    /// `kv_epp_unisolated_salted_requests_total`.
+    pub salted_events: bool,
 }
 
 impl Default for EventsConfig {
@@ -97,6 +107,7 @@ impl Default for EventsConfig {
             max_message_bytes: crate::events::zmtp::Limits::default().max_message_bytes,
             zmq: ZmqConfig::default(),
             trtllm: TrtllmConfig::default(),
+            salted_events: true,
         }
     }
 }
@@ -115,14 +126,30 @@ impl EventsConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrtllmConfig {
-    /// Milliseconds between drains of `POST /kv_cache_events`.
+    /// Milliseconds between drains of `POST /kv_cache_events` (transport `http`).
     pub poll_interval_ms: u64,
+    /// How events leave the engine: `http` (the destructive drain, one reader per engine, owned
+    /// by one replica) or `zmq` (TensorRT-LLM's ZeroMQ publisher per rank, on the ports of
+    /// `events.zmq`; every replica subscribes, as for vLLM).
+    pub transport: TrtllmTransport,
+}
+
+/// How TensorRT-LLM's KV events are read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TrtllmTransport {
+    /// `POST /kv_cache_events`, polled.
+    #[default]
+    Http,
+    /// The ZeroMQ publisher (TensorRT-LLM PR #17023).
+    Zmq,
 }
 
 impl Default for TrtllmConfig {
     fn default() -> Self {
         TrtllmConfig {
             poll_interval_ms: 100,
+            transport: TrtllmTransport::Http,
         }
     }
 }
@@ -247,13 +274,17 @@ pub struct RoutingConfig {
     /// Decisions of larger bodies running at once (0 = half of `decision_threads`, at least 1),
     /// so huge prompts never take every thread from short requests.
     pub large_body_decision_threads: usize,
+    /// Requests kv-epp cannot render exactly as the engine would (template errors, options or
+    /// inputs it does not reproduce): `load_only` (default) routes them on load alone and
+    /// counts them in `kv_epp_unrenderable_total{reason}`; `reject` answers 400.
+    pub unrenderable: UnrenderableRequests,
 }
 
 impl Default for RoutingConfig {
     fn default() -> Self {
         RoutingConfig {
             max_body_bytes: 16 << 20,
-            max_inflight_per_worker: 0,
+            max_inflight_per_worker: 256,
             retry_after_seconds: 1,
             fallbacks: 0,
             unknown_model: UnknownModel::LoadOnly,
@@ -262,6 +293,7 @@ impl Default for RoutingConfig {
             max_buffered_body_bytes: 256 << 20,
             decision_threads: 0,
             large_body_decision_threads: 0,
+            unrenderable: UnrenderableRequests::LoadOnly,
         }
     }
 }
@@ -423,6 +455,7 @@ impl Config {
             max_inflight: (self.routing.max_inflight_per_worker > 0)
                 .then_some(self.routing.max_inflight_per_worker),
             unknown_model: self.routing.unknown_model,
+            unrenderable: self.routing.unrenderable,
             salt: self.salt.policy(),
             fingerprints: self
                 .salt
@@ -430,6 +463,7 @@ impl Config {
                 .as_deref()
                 .map(FingerprintKey::from_passphrase)
                 .unwrap_or_else(FingerprintKey::random),
+            salted_events: self.events.salted_events,
         }
     }
 
@@ -452,6 +486,7 @@ impl Config {
         let em = &self.engine_metrics;
         MembershipSettings {
             engine: self.events.engine,
+            trtllm_zmq: self.events.trtllm.transport == TrtllmTransport::Zmq,
             trtllm_interval: Duration::from_millis(self.events.trtllm.poll_interval_ms),
             scrape: (em.interval_ms > 0).then(|| {
                 (
@@ -474,6 +509,9 @@ impl Config {
             id,
             model: model.to_owned(),
             feed: self.feed_endpoints(&id, overrides),
+            // SGLang says where it publishes: ask it unless the worker names its endpoint.
+            probe_server_info: self.events.engine == EventEngine::Sglang
+                && overrides.is_none_or(|w| w.events_endpoint.is_none()),
         }
     }
 
@@ -563,9 +601,12 @@ impl Config {
         worker: &WorkerId,
         overrides: Option<&StaticWorker>,
     ) -> Option<crate::events::subscriber::FeedEndpoints> {
-        if !matches!(self.events.engine, EventEngine::Vllm | EventEngine::Sglang) {
-            return None;
-        }
+        let dialect = match (self.events.engine, self.events.trtllm.transport) {
+            (EventEngine::Vllm, _) => crate::events::vllm::Dialect::Vllm,
+            (EventEngine::Sglang, _) => crate::events::vllm::Dialect::Sglang,
+            (EventEngine::Trtllm, TrtllmTransport::Zmq) => crate::events::vllm::Dialect::Trtllm,
+            (EventEngine::Trtllm, TrtllmTransport::Http) | (EventEngine::None, _) => return None,
+        };
         let z = &self.events.zmq;
         let host = match worker.endpoint.ip() {
             IpAddr::V6(v6) => format!("[{v6}]"),
@@ -585,6 +626,7 @@ impl Config {
             events,
             replay,
             topic: z.topic.clone(),
+            dialect,
         })
     }
 }
@@ -765,6 +807,9 @@ impl Config {
         }
         if self.routing.max_body_bytes == 0 {
             return bad("routing.max_body_bytes must be > 0".into());
+        }
+        if let Err(e) = self.flow_control.settings() {
+            return bad(e);
         }
         if self.routing.stream_idle_timeout_ms == 0 {
             return bad("routing.stream_idle_timeout_ms must be > 0".into());

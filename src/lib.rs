@@ -10,6 +10,7 @@ pub mod discovery;
 pub(crate) mod engine_metrics;
 pub mod events;
 pub mod extproc;
+pub mod flow;
 pub(crate) mod forward;
 pub mod httpc;
 pub(crate) mod membership;

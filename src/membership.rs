@@ -30,6 +30,9 @@ pub struct DesiredWorker {
     pub model: String,
     /// Where it publishes vLLM/SGLang KV events (`None`: no ZeroMQ feed).
     pub feed: Option<FeedEndpoints>,
+    /// `feed` is the configured convention, not the worker's own word: ask the worker (SGLang's
+    /// `/server_info`) and follow what it advertises.
+    pub probe_server_info: bool,
 }
 
 /// What one [`Membership::reconcile`] call changed.
@@ -53,6 +56,8 @@ impl Changes {
 pub struct MembershipSettings {
     /// The event protocol the workers speak.
     pub engine: EventEngine,
+    /// TensorRT-LLM workers publish over ZeroMQ (subscribed like vLLM) rather than being drained.
+    pub trtllm_zmq: bool,
     /// Time between TensorRT-LLM drains.
     pub trtllm_interval: Duration,
     /// Scrape interval and staleness of engine metrics (`None`: no scraping).
@@ -72,6 +77,8 @@ pub struct Membership {
 struct State {
     current: BTreeMap<WorkerId, DesiredWorker>,
     scrapers: BTreeMap<WorkerId, JoinHandle<()>>,
+    /// `/server_info` probes still running.
+    probes: BTreeMap<WorkerId, JoinHandle<()>>,
 }
 
 impl Membership {
@@ -138,6 +145,9 @@ impl Membership {
         for task in std::mem::take(&mut state.scrapers).into_values() {
             task.abort();
         }
+        for task in std::mem::take(&mut state.probes).into_values() {
+            task.abort();
+        }
         for id in state.current.keys() {
             self.feeds.stop(id);
         }
@@ -148,10 +158,24 @@ impl Membership {
         self.workers.add(w.id, &w.model, index.clone());
         if let Some(index) = index {
             match (&w.feed, self.settings.engine) {
-                (Some(endpoints), EventEngine::Vllm | EventEngine::Sglang) => {
+                // A ZeroMQ feed (vLLM, SGLang, TensorRT-LLM's publisher; the configuration
+                // derives endpoints for these only): every replica subscribes, so none of them
+                // is a single-reader source.
+                (Some(endpoints), _) => {
                     self.feeds.start(w.id, index.clone(), endpoints.clone());
+                    if w.probe_server_info {
+                        let task = tokio::spawn(follow_server_info(
+                            w.id,
+                            index.clone(),
+                            endpoints.clone(),
+                            self.feeds.clone(),
+                        ));
+                        if let Some(old) = state.probes.insert(w.id, task) {
+                            old.abort();
+                        }
+                    }
                 }
-                (_, EventEngine::Trtllm) => {
+                (None, EventEngine::Trtllm) if !self.settings.trtllm_zmq => {
                     self.feeds
                         .start_trtllm(w.id, index.clone(), self.settings.trtllm_interval);
                 }
@@ -170,6 +194,9 @@ impl Membership {
     }
 
     fn stop(&self, state: &mut State, id: &WorkerId) {
+        if let Some(task) = state.probes.remove(id) {
+            task.abort();
+        }
         self.feeds.stop(id);
         if let Some(task) = state.scrapers.remove(id) {
             task.abort();
@@ -179,9 +206,49 @@ impl Membership {
     }
 }
 
+/// Asks an SGLang worker where it publishes (`/server_info`), a few times with backoff (it may
+/// still be starting), and moves its feed there when that differs from the convention it started
+/// on. Gives up quietly after the last attempt: the conventional feed stays.
+async fn follow_server_info(
+    worker: WorkerId,
+    index: Arc<kv_epp_core::index::KvIndex>,
+    conventional: FeedEndpoints,
+    feeds: Arc<Feeds>,
+) {
+    let mut wait = Duration::from_millis(200);
+    for attempt in 0..6 {
+        let answer = crate::events::server_info::fetch(&worker).await;
+        match answer.and_then(|adv| {
+            if adv.block_size.is_some_and(|b| b != index.block_size() as u64) {
+                tracing::warn!(%worker, advertised = adv.block_size, model = index.block_size(), "the worker's advertised block size differs from the model's; its events will be dropped and counted");
+            }
+            adv.endpoints(&worker, &conventional).map_err(|e| e.to_string())
+        }) {
+            Ok(endpoints) => {
+                if endpoints != conventional {
+                    tracing::info!(%worker, events = %endpoints.events, "following the KV event endpoint the worker advertises");
+                    // Whatever the conventional endpoint delivered was not this worker's word.
+                    let _ = index.clear_worker(&worker);
+                    feeds.start(worker, index, endpoints);
+                }
+                return;
+            }
+            Err(e) if attempt == 5 => {
+                tracing::info!(%worker, error = %e, "no advertised KV event endpoint; keeping the configured one");
+            }
+            Err(_) => {}
+        }
+        tokio::time::sleep(wait).await;
+        wait = (wait * 2).min(Duration::from_secs(5));
+    }
+}
+
 impl Drop for Membership {
     fn drop(&mut self) {
         for (_, task) in std::mem::take(&mut self.state.get_mut().scrapers) {
+            task.abort();
+        }
+        for (_, task) in std::mem::take(&mut self.state.get_mut().probes) {
             task.abort();
         }
     }

@@ -20,7 +20,8 @@ pub struct Metrics {
     /// Requests by model and outcome (`decide::ROUTED`, `decide::TOKENIZE_FAILED`, or a
     /// `decide::Reject::outcome`; the set is listed in README.md).
     pub requests: Family<Labels, Counter>,
-    /// Time from the end of the request body (or headers) to the decision.
+    /// Time from the end of the request body (or headers) to the decision, not counting time
+    /// spent in flow control's queue (`flow.wait_seconds`).
     pub decision_seconds: Histogram,
     /// Prompt blocks of routed requests, by model.
     pub prompt_blocks: Family<Labels, Counter>,
@@ -53,6 +54,8 @@ pub struct Metrics {
     pub replica_snapshot_bytes: Counter,
     /// Peer API calls refused for a missing or wrong token.
     pub replica_unauthenticated: Counter,
+    /// Probes of this replica that a peer refused for its token.
+    pub replica_refused_by_peers: Counter,
     /// Admin API requests refused, by reason (`missing`, `malformed`, `invalid_token`).
     pub admin_unauthenticated: Family<Labels, Counter>,
     /// Metrics scrapes refused, by reason (`missing`, `malformed`, `invalid_token`,
@@ -64,6 +67,17 @@ pub struct Metrics {
     /// TLS handshakes refused or timed out, by listener (e.g. a client without an accepted
     /// certificate).
     pub tls_handshake_failures: Family<Labels, Counter>,
+    /// Requests kv-epp could not render exactly as the engine would, by model and `reason`
+    /// (`kv_epp_tokenize::Unrenderable` labels); routed on load alone, or refused under
+    /// `routing.unrenderable: reject`.
+    pub unrenderable: Family<Labels, Counter>,
+    /// (model, reason) pairs already logged: each is logged once per process.
+    unrenderable_logged: parking_lot::Mutex<std::collections::HashSet<(String, &'static str)>>,
+    /// Salted requests routed to workers whose events carry no salt (`events.salted_events:
+    /// false`: older SGLang, TensorRT-LLM over ZeroMQ), by model: routed without isolation.
+    pub unisolated_salted_requests: Family<Labels, Counter>,
+    /// Flow control: queue length, wait time, admitted and refused by tenant (bounded labels).
+    pub flow: std::sync::Arc<crate::flow::FlowMetrics>,
 }
 
 impl Default for Metrics {
@@ -85,7 +99,7 @@ impl Metrics {
         let decision_seconds = Histogram::new(exponential_buckets(0.000_01, 2.0, 20));
         registry.register(
             "decision_seconds",
-            "Time to decide a request once its body is complete",
+            "Time to decide a request once its body is complete (not counting time queued by flow control)",
             decision_seconds.clone(),
         );
         let prompt_blocks = Family::<Labels, Counter>::default();
@@ -178,6 +192,12 @@ impl Metrics {
             "Peer API calls refused for a missing or wrong token",
             replica_unauthenticated.clone(),
         );
+        let replica_refused_by_peers = Counter::default();
+        registry.register(
+            "replica_refused_by_peers",
+            "Probes of this replica that a peer refused for a wrong token (peers.token_file differs)",
+            replica_refused_by_peers.clone(),
+        );
         let admin_unauthenticated = Family::<Labels, Counter>::default();
         registry.register(
             "admin_unauthenticated",
@@ -202,8 +222,25 @@ impl Metrics {
             "TLS handshakes refused or timed out, by listener",
             tls_handshake_failures.clone(),
         );
+        let unrenderable = Family::<Labels, Counter>::default();
+        registry.register(
+            "unrenderable",
+            "Requests kv-epp could not render exactly as the engine would, by model and reason",
+            unrenderable.clone(),
+        );
+        let unisolated_salted_requests = Family::<Labels, Counter>::default();
+        registry.register(
+            "unisolated_salted_requests",
+            "Salted requests routed to workers whose KV events carry no salt (no tenant isolation in routing), by model",
+            unisolated_salted_requests.clone(),
+        );
+        let flow = std::sync::Arc::new(crate::flow::FlowMetrics::register(&mut registry));
         Metrics {
+            flow,
             registry,
+            unrenderable,
+            unrenderable_logged: Default::default(),
+            unisolated_salted_requests,
             admin_unauthenticated,
             metrics_unauthenticated,
             tls_reloads,
@@ -215,6 +252,7 @@ impl Metrics {
             replica_blocks_restored,
             replica_snapshot_bytes,
             replica_unauthenticated,
+            replica_refused_by_peers,
             requests,
             decision_seconds,
             prompt_blocks,
@@ -249,6 +287,18 @@ impl Metrics {
         self.requests
             .get_or_create(&Self::labels(&[("model", model), ("outcome", outcome)]))
             .inc();
+    }
+
+    /// Counts a request kv-epp could not render exactly (`reason`) and says whether this is
+    /// the first for its (model, reason), which the caller logs. The set is bounded: models are
+    /// configured names (or `unknown`) and reasons a closed list.
+    pub fn unrenderable(&self, model: &str, reason: &'static str) -> bool {
+        self.unrenderable
+            .get_or_create(&Self::labels(&[("model", model), ("reason", reason)]))
+            .inc();
+        self.unrenderable_logged
+            .lock()
+            .insert((model.to_owned(), reason))
     }
 
     /// The text exposition.

@@ -86,7 +86,7 @@ impl ServedModel {
         let tokenizer = self.tokenizer.as_ref()?;
         Some(
             parse_request(endpoint, body)
-                .and_then(|r| tokenizer.tokenize_within(&r.prompt, self.max_prompt_tokens)),
+                .and_then(|r| tokenizer.tokenize_owned(r.prompt, self.max_prompt_tokens)),
         )
     }
 }

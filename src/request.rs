@@ -31,6 +31,9 @@ pub struct ParsedBody {
     pub model: Option<String>,
     /// The prompt.
     pub prompt: Prompt,
+    /// The most tokens the client asks to generate (`max_completion_tokens`, else
+    /// `max_tokens`), when it says.
+    pub max_tokens: Option<u64>,
 }
 
 impl ParsedBody {
@@ -83,10 +86,14 @@ pub fn parse(body: &[u8]) -> Result<ParsedBody, RequestError> {
         (None, Some(_)) => Prompt::Chat,
         (None, None) => Prompt::None,
     };
+    let max_tokens = ["max_completion_tokens", "max_tokens"]
+        .iter()
+        .find_map(|k| json.get(*k).and_then(Value::as_u64));
     Ok(ParsedBody {
         json,
         model,
         prompt,
+        max_tokens,
     })
 }
 

@@ -62,6 +62,9 @@ pub enum ServeError {
     /// A control port's authentication could not be set up (the message names the field).
     #[error("{0}")]
     Auth(String),
+    /// A setting is invalid (the message names the field).
+    #[error("{0}")]
+    Config(String),
 }
 
 /// A running server.
@@ -86,6 +89,8 @@ pub struct Server {
     pub peer_addr: Option<SocketAddr>,
     /// The running workers (static or discovered) and their feeds and scrapers.
     pub membership: Arc<Membership>,
+    /// Flow control: quotas and the queue at saturation (`flow_control`).
+    pub flow: Arc<crate::flow::FlowControl>,
     shutdown: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -96,6 +101,20 @@ pub struct Server {
 /// served from our own listener, so it is set here.)
 pub(crate) fn incoming(listener: TcpListener) -> TcpIncoming {
     TcpIncoming::from(listener).with_nodelay(Some(true))
+}
+
+/// An HTTP listener (metrics, admin) whose accepted connections have TCP_NODELAY set, for the
+/// same reason as [`incoming`]: a response written in pieces must not wait on Nagle.
+pub(crate) fn http_incoming(
+    listener: TcpListener,
+) -> axum::serve::TapIo<TcpListener, fn(&mut tokio::net::TcpStream)> {
+    use axum::serve::ListenerExt;
+    fn nodelay(tcp: &mut tokio::net::TcpStream) {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "could not set TCP_NODELAY on an HTTP connection");
+        }
+    }
+    listener.tap_io(nodelay as fn(&mut tokio::net::TcpStream))
 }
 
 async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, ServeError> {
@@ -189,10 +208,10 @@ impl Server {
         }
         let replica = match &config.peers.enabled() {
             true => {
-                let token = match &config.peers.token_file {
-                    Some(p) => Some(std::fs::read_to_string(p).map_err(|e| {
-                        ServeError::Peers(format!("peers.token_file {}: {e}", p.display()))
-                    })?),
+                let token = match config.peers.token_file.clone() {
+                    Some(p) => Some(crate::replica::PeerToken::File(Arc::new(
+                        peer_token_file(p).await?,
+                    ))),
                     None => None,
                 };
                 let mut peers = config.peers.clone();
@@ -255,7 +274,25 @@ impl Server {
         let (shutdown, rx) = watch::channel(false);
         let mut tasks = Vec::new();
 
+        let flow = crate::flow::FlowControl::new(
+            config.flow_control.settings().map_err(ServeError::Config)?,
+            picker.clone(),
+            metrics.flow.clone(),
+            picker.workers.released(),
+        );
+        {
+            // Dispatches on every booking released; the tick covers engine load falling and
+            // workers becoming ready.
+            let (flow, mut stop) = (flow.clone(), rx.clone());
+            tasks.push(tokio::spawn(async move {
+                tokio::select! {
+                    _ = flow.run(Duration::from_millis(50)) => {}
+                    _ = stop.wait_for(|s| *s) => {}
+                }
+            }));
+        }
         let opts = StreamOptions {
+            flow: Some(flow.clone()),
             max_body_bytes: config.routing.max_body_bytes,
             retry_after_seconds: config.routing.retry_after_seconds,
             conformance_hooks: config.routing.conformance_hooks,
@@ -369,7 +406,7 @@ impl Server {
                 let _ = stop.wait_for(|s| *s).await;
             };
             let app = app.into_make_service_with_connect_info::<SocketAddr>();
-            if let Err(e) = axum::serve(metrics_l, app)
+            if let Err(e) = axum::serve(http_incoming(metrics_l), app)
                 .with_graceful_shutdown(done)
                 .await
             {
@@ -405,6 +442,7 @@ impl Server {
             replica: replica.clone(),
             max_body_bytes: config.routing.max_body_bytes,
             retry_after_seconds: config.routing.retry_after_seconds,
+            flow: Some(flow.clone()),
         });
         if let Some(guard) = admin_guard {
             admin = guard.protect(admin);
@@ -415,7 +453,7 @@ impl Server {
                 let _ = stop.wait_for(|s| *s).await;
             };
             let admin = admin.into_make_service_with_connect_info::<SocketAddr>();
-            if let Err(e) = axum::serve(admin_l, admin)
+            if let Err(e) = axum::serve(http_incoming(admin_l), admin)
                 .with_graceful_shutdown(done)
                 .await
             {
@@ -434,6 +472,7 @@ impl Server {
             replica,
             peer_addr,
             membership,
+            flow,
             shutdown,
             tasks,
         })
@@ -505,6 +544,21 @@ fn local(l: &TcpListener) -> SocketAddr {
         .expect("a bound listener has a local address")
 }
 
+/// Opens `peers.token_file`, waiting up to 10 s for a file that is missing, empty or being
+/// rewritten (not every tool replaces a Secret atomically).
+async fn peer_token_file(path: std::path::PathBuf) -> Result<TokenFile, ServeError> {
+    tokio::task::spawn_blocking(move || {
+        TokenFile::open_patiently(
+            "peers.token_file",
+            &path,
+            std::time::Duration::from_secs(10),
+        )
+    })
+    .await
+    .map_err(|e| ServeError::Peers(e.to_string()))?
+    .map_err(|e| ServeError::Peers(e.to_string()))
+}
+
 #[cfg(test)]
 mod tests {
     use futures_util::StreamExt;
@@ -530,6 +584,21 @@ mod tests {
         let mut accepted = incoming(listener);
         let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
         let conn = accepted.next().await.unwrap().unwrap();
+        assert!(
+            conn.nodelay().unwrap(),
+            "TCP_NODELAY on the accepted socket"
+        );
+    }
+
+    /// So has every connection the metrics and admin listeners accept.
+    #[tokio::test]
+    async fn accepted_http_connections_have_tcp_nodelay() {
+        use axum::serve::Listener;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut accepted = http_incoming(listener);
+        let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (conn, _) = accepted.accept().await;
         assert!(
             conn.nodelay().unwrap(),
             "TCP_NODELAY on the accepted socket"

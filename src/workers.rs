@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use parking_lot::RwLock;
+use tokio::sync::Notify;
 
 use crate::metrics::Metrics;
 use kv_epp_core::index::KvIndex;
@@ -60,16 +61,21 @@ impl WorkerRuntime {
 pub struct Booking {
     worker: Arc<WorkerRuntime>,
     metrics: Arc<Metrics>,
+    released: Arc<Notify>,
 }
 
 impl Booking {
-    fn new(worker: Arc<WorkerRuntime>, metrics: Arc<Metrics>) -> Booking {
+    fn new(worker: Arc<WorkerRuntime>, metrics: Arc<Metrics>, released: Arc<Notify>) -> Booking {
         let n = worker.inflight.fetch_add(1, Ordering::Relaxed) + 1;
         metrics
             .inflight
             .get_or_create(&Metrics::labels(&[("worker", &worker.id.to_string())]))
             .set(i64::from(n));
-        Booking { worker, metrics }
+        Booking {
+            worker,
+            metrics,
+            released,
+        }
     }
 
     /// The booked worker.
@@ -85,6 +91,8 @@ impl Drop for Booking {
             .inflight
             .get_or_create(&Metrics::labels(&[("worker", &self.worker.id.to_string())]))
             .set(i64::from(n));
+        // Capacity freed: flow control dispatches from its queue.
+        self.released.notify_one();
     }
 }
 
@@ -98,6 +106,7 @@ impl std::fmt::Debug for Booking {
 pub struct Workers {
     list: RwLock<Vec<Arc<WorkerRuntime>>>,
     metrics: Arc<Metrics>,
+    released: Arc<Notify>,
 }
 
 impl Workers {
@@ -106,7 +115,13 @@ impl Workers {
         Workers {
             list: RwLock::new(Vec::new()),
             metrics,
+            released: Arc::new(Notify::new()),
         }
+    }
+
+    /// Notified (one permit kept) whenever a booking is released: flow control's wake-up.
+    pub fn released(&self) -> Arc<Notify> {
+        self.released.clone()
     }
 
     /// Adds a worker of `model` (registering it in `index`, its model's index), ready at once;
@@ -179,7 +194,7 @@ impl Workers {
 
     /// Books one in-flight slot on `worker`, released when the booking drops.
     pub(crate) fn book(&self, worker: &Arc<WorkerRuntime>) -> Booking {
-        Booking::new(worker.clone(), self.metrics.clone())
+        Booking::new(worker.clone(), self.metrics.clone(), self.released.clone())
     }
 }
 

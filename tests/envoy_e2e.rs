@@ -445,7 +445,8 @@ async fn client_sees_kv_epp_rejections_with_reasons() {
     let Some(rig) = Rig::start(
         EnvoyShape::FullDuplex,
         1,
-        "routing: {max_body_bytes: 4096, max_inflight_per_worker: 1, unknown_model: reject, retry_after_seconds: 3}",
+        // Flow control off: saturation is answered at once (the queue has its own tests).
+        "routing: {max_body_bytes: 4096, max_inflight_per_worker: 1, unknown_model: reject, retry_after_seconds: 3}\nflow_control: {enabled: false}",
     )
     .await
     else {
@@ -672,4 +673,71 @@ async fn chat_prompts_are_tokenized_per_tenant_and_salts_reach_the_engine() {
     // A malformed chat request is refused by kv-epp with a reason.
     let r = rig.chat(&[], br#"{"model":"m","messages":[]}"#).await;
     assert_eq!(r.status, 400, "{}", r.text());
+    // One kv-epp cannot render exactly (it carries its own template, which vLLM accepts under
+    // --trust-request-chat-template) is the engine's to judge: routed on load, counted.
+    let own_template =
+        br#"{"model":"m","chat_template":"{{ 'x' }}","messages":[{"role":"user","content":"hi"}]}"#;
+    let r = rig.chat(&[], own_template).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let m = rig.metrics().await;
+    assert_eq!(
+        metric(
+            &m,
+            "kv_epp_unrenderable_total{model=\"m\",reason=\"request_chat_template\"}"
+        ),
+        1.0,
+        "{m}"
+    );
+}
+
+/// Flow control through a real Envoy in both body modes: with the only worker busy past Envoy's
+/// 2 s message timeout (BUFFERED's shipped config), a second request waits in kv-epp's queue
+/// (BUFFERED: the timer restarted with `override_message_timeout`, accepted up to the shipped
+/// `max_message_timeout`) and is served when the worker frees, never a 504.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_request_outlives_envoys_message_timeout_in_both_body_modes() {
+    for shape in [EnvoyShape::Buffered, EnvoyShape::FullDuplex] {
+        let Some(rig) = Rig::start(shape, 1, "routing: {max_inflight_per_worker: 1}").await else {
+            return;
+        };
+        let slow = tokio::spawn({
+            let addr = rig.addr();
+            async move {
+                post_json(
+                    addr,
+                    "/v1/completions",
+                    &[("x-tenant-id", "first")],
+                    br#"{"model":"m","prompt":[1,2,3,4],"delay_ms":3000}"#,
+                )
+                .await
+                .unwrap()
+            }
+        });
+        assert!(eventually(10, || rig.server.picker.workers.total_inflight() == 1).await);
+        let started = std::time::Instant::now();
+        let r = rig
+            .post(
+                &[("x-tenant-id", "second")],
+                br#"{"model":"m","prompt":[5,6,7,8]}"#,
+            )
+            .await;
+        assert_eq!(r.status, 200, "{shape:?}: {} {:?}", r.text(), r.headers);
+        assert_eq!(
+            r.header("x-served-by"),
+            Some(rig.ups[0].addr.to_string().as_str())
+        );
+        assert_eq!(slow.await.unwrap().status, 200);
+        if shape == EnvoyShape::Buffered {
+            assert!(
+                started.elapsed() > Duration::from_secs(2),
+                "it waited past Envoy's 2 s message timeout"
+            );
+        }
+        let m = rig.metrics().await;
+        assert!(
+            m.contains("path=\"queued\""),
+            "admitted from the queue: {m}"
+        );
+        assert!(eventually(5, || rig.server.picker.workers.total_inflight() == 0).await);
+    }
 }

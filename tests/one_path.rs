@@ -147,6 +147,7 @@ fn via_ext_proc(server: &Server) -> (StreamHandler, Summary) {
             retry_after_seconds: 1,
             conformance_hooks: false,
             body_budget: BodyBudget::new(1 << 30, Default::default()),
+            flow: None,
         },
     );
     let header = |k: &str, v: &str| HeaderValue {

@@ -8,21 +8,17 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::process::{Child, Command};
+use std::process::Command;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::http;
-use common::sim::{SimSpec, fwd, send, sim_worker, truth};
+use common::replicas::{BS, Cutter, DrainEngine, Replica, TOKEN, converge, dir, ports, round};
+use common::sim::{SimSpec, send, sim_worker, truth};
 use kv_epp_sim::server::SimWorker;
 use kv_epp_sim::workload::{GeneratorSpec, generate};
-use serde_json::{Value, json};
-use tokio::net::{TcpListener, TcpStream};
-
-const BS: usize = 16;
-const TOKEN: &str = "s3cret-peer-token";
+use serde_json::Value;
 
 async fn sim(drop: f64, seed: u64) -> SimWorker {
     sim_worker(SimSpec {
@@ -33,235 +29,6 @@ async fn sim(drop: f64, seed: u64) -> SimWorker {
         ..SimSpec::default()
     })
     .await
-}
-
-/// A TCP relay that can cut its connections and refuse new ones for a while: one replica's
-/// path to one worker's event stream.
-struct Cutter {
-    addr: SocketAddr,
-    cut: Arc<AtomicBool>,
-    conns: Arc<Mutex<Vec<tokio::task::JoinHandle<()>>>>,
-}
-
-impl Cutter {
-    async fn start(target: String) -> Cutter {
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap();
-        let cut = Arc::new(AtomicBool::new(false));
-        let conns: Arc<Mutex<Vec<tokio::task::JoinHandle<()>>>> = Arc::default();
-        let target = target.trim_start_matches("tcp://").to_owned();
-        let (c2, k2) = (cut.clone(), conns.clone());
-        tokio::spawn(async move {
-            loop {
-                let Ok((mut inbound, _)) = l.accept().await else {
-                    return;
-                };
-                if c2.load(Ordering::SeqCst) {
-                    drop(inbound);
-                    continue;
-                }
-                let target = target.clone();
-                k2.lock().unwrap().push(tokio::spawn(async move {
-                    if let Ok(mut out) = TcpStream::connect(&target).await {
-                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut out).await;
-                    }
-                }));
-            }
-        });
-        Cutter { addr, cut, conns }
-    }
-
-    fn set_cut(&self, cut: bool) {
-        self.cut.store(cut, Ordering::SeqCst);
-        if cut {
-            for c in self.conns.lock().unwrap().drain(..) {
-                c.abort();
-            }
-        }
-    }
-}
-
-/// One `kv-epp serve` process.
-struct Replica {
-    name: String,
-    child: Option<Child>,
-    config: PathBuf,
-    admin: SocketAddr,
-    grpc: SocketAddr,
-    peer: SocketAddr,
-    log: PathBuf,
-}
-
-struct Ports {
-    grpc: u16,
-    health: u16,
-    metrics: u16,
-    admin: u16,
-    peer: u16,
-}
-
-fn ports() -> Ports {
-    Ports {
-        grpc: common::free_port(),
-        health: common::free_port(),
-        metrics: common::free_port(),
-        admin: common::free_port(),
-        peer: common::free_port(),
-    }
-}
-
-/// A fresh directory for one replica's files: tests run in parallel and reuse replica names,
-/// so no two replicas may share a config or token file (a reader could see it half-written).
-fn dir() -> PathBuf {
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let d = std::env::temp_dir().join(format!("kv-epp-replicas-{}-{n}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-impl Replica {
-    fn spawn(name: &str, p: &Ports, body: &str, peers: &[u16]) -> Replica {
-        Replica::spawn_with(name, p, body, peers, "")
-    }
-
-    /// As `spawn`, with `peers_extra` (`, key: value` pairs) added to the `peers` section.
-    fn spawn_with(name: &str, p: &Ports, body: &str, peers: &[u16], peers_extra: &str) -> Replica {
-        let d = dir();
-        let token = d.join("token");
-        std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
-        let peer_list: Vec<String> = peers.iter().map(|p| format!("'127.0.0.1:{p}'")).collect();
-        let yaml = format!(
-            "server: {{bind_address: 127.0.0.1, grpc_port: {}, grpc_health_port: {}, metrics_port: {}, admin_port: {}}}\n\
-             engine_metrics: {{interval_ms: 0}}\n\
-             peers: {{static_peers: [{}], port: {}, token_file: '{}', probe_interval_ms: 200, bootstrap_timeout_ms: 30000, snapshot_chunk_blocks: 64{peers_extra}}}\n\
-             models: [{{name: m, block_size: {BS}}}]\n{body}",
-            p.grpc,
-            p.health,
-            p.metrics,
-            p.admin,
-            peer_list.join(", "),
-            p.peer,
-            token.display()
-        );
-        let config = d.join(format!("{name}.yaml"));
-        std::fs::write(&config, yaml).unwrap();
-        let mut r = Replica {
-            name: name.into(),
-            child: None,
-            config,
-            admin: format!("127.0.0.1:{}", p.admin).parse().unwrap(),
-            grpc: format!("127.0.0.1:{}", p.grpc).parse().unwrap(),
-            peer: format!("127.0.0.1:{}", p.peer).parse().unwrap(),
-            log: d.join(format!("{name}.log")),
-        };
-        r.restart();
-        r
-    }
-
-    fn restart(&mut self) {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)
-            .unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_kv-epp"))
-            .args(["serve", "--config-file"])
-            .arg(&self.config)
-            .env("KV_EPP_LOG", "info,kv_epp=debug")
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        self.child = Some(child);
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    fn log_tail(&self) -> String {
-        let s = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = s.lines().collect();
-        lines[lines.len().saturating_sub(30)..].join("\n")
-    }
-
-    async fn get(&self, path: &str) -> Option<Value> {
-        let r = http(self.admin, "GET", path, &[], b"").await.ok()?;
-        (r.status == 200).then(|| serde_json::from_slice(&r.body).ok())?
-    }
-
-    async fn status(&self) -> Option<Value> {
-        self.get("/debug/replica").await
-    }
-
-    async fn digest(&self) -> Option<(String, u64)> {
-        let v = self.get("/debug/digest").await?;
-        Some((
-            v["models"]["m"]["digest"].as_str()?.to_owned(),
-            v["models"]["m"]["blocks"].as_u64()?,
-        ))
-    }
-
-    async fn wait_ready(&self, secs: u64) {
-        let deadline = Instant::now() + Duration::from_secs(secs);
-        loop {
-            if let Some(s) = self.status().await
-                && s["ready"] == true
-            {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "replica {} not ready in {secs}s:\n{}",
-                self.name,
-                self.log_tail()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-
-    async fn counter(&self, name: &str) -> u64 {
-        self.status().await.unwrap()["counters"][name]
-            .as_u64()
-            .unwrap()
-    }
-}
-
-impl Drop for Replica {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-/// Waits until every replica reports the same digest twice in a row, with `min_blocks` or more.
-async fn converge(replicas: &[&Replica], min_blocks: u64, secs: u64) -> (String, u64) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    let mut last: Option<(String, u64)> = None;
-    loop {
-        let mut ds = Vec::new();
-        for r in replicas {
-            ds.push(r.digest().await);
-        }
-        let first = ds[0].clone();
-        let same = first.is_some() && ds.iter().all(|d| *d == first);
-        if same && first.as_ref().unwrap().1 >= min_blocks {
-            if last == first {
-                return first.unwrap();
-            }
-            last = first;
-        } else {
-            last = None;
-        }
-        if Instant::now() > deadline {
-            let names: Vec<&str> = replicas.iter().map(|r| r.name.as_str()).collect();
-            panic!("digests did not converge: {names:?} {ds:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(400)).await;
-    }
 }
 
 /// A replica's overlap for (prompt, tenant) on worker `w`, in tokens.
@@ -493,7 +260,7 @@ async fn replicas_bootstrap_over_mutual_tls() {
     let tls_dir = || {
         let d = dir().join("peer-tls");
         ca.leaf(&["kv-epp-peers"]).write_to(&d);
-        std::fs::write(d.join("ca.crt"), ca.pem()).unwrap();
+        common::write_file(&d.join("ca.crt"), ca.pem());
         format!(", cert_path: '{}', server_name: kv-epp-peers", d.display())
     };
     let w = sim(0.0, 21).await;
@@ -557,7 +324,7 @@ fn replication_without_a_token_refuses_to_start() {
     let d = dir();
     let serve = |yaml: &str| {
         let config = d.join("anonymous.yaml");
-        std::fs::write(&config, yaml).unwrap();
+        common::write_file(&config, yaml);
         Command::new(env!("CARGO_BIN_EXE_kv-epp"))
             .args(["serve", "--validate-only", "--config-file"])
             .arg(&config)
@@ -583,75 +350,6 @@ fn replication_without_a_token_refuses_to_start() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-}
-
-/// A TensorRT-LLM-style engine: `POST /kv_cache_events` returns every queued event and forgets
-/// them (a destructive read).
-#[derive(Clone, Default)]
-struct DrainEngine {
-    queue: Arc<Mutex<Vec<Value>>>,
-}
-
-impl DrainEngine {
-    async fn start(&self) -> SocketAddr {
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap();
-        let q = self.queue.clone();
-        let app = axum::Router::new().route(
-            "/kv_cache_events",
-            axum::routing::post(move || {
-                let q = q.clone();
-                async move {
-                    let drained: Vec<Value> = std::mem::take(&mut *q.lock().unwrap());
-                    Value::Array(drained).to_string()
-                }
-            }),
-        );
-        tokio::spawn(async move {
-            let _ = axum::serve(l, app).await;
-        });
-        addr
-    }
-
-    fn push(&self, ev: Value) {
-        self.queue.lock().unwrap().push(ev);
-    }
-
-    fn is_drained(&self) -> bool {
-        self.queue.lock().unwrap().is_empty()
-    }
-}
-
-/// A stored event of a fresh two-block sequence (hashes `h`, `h + 1`) under `tenant`.
-fn trt_stored(h: u64, tenant: &str) -> Value {
-    let block = |hash: u64| {
-        let toks: Vec<Value> = (0..BS as u64)
-            .map(|k| json!({"token_id": (hash * 31 + k) % 50_000, "token_extra_id": 0}))
-            .collect();
-        json!({"type": "stored_block", "block_hash": hash, "tokens": toks, "lora_id": null, "cache_level": 0, "priority": 35, "cache_salt": fwd(tenant)})
-    };
-    json!({"event_id": h, "data": {"type": "stored", "parent_hash": null, "blocks": [block(h), block(h + 1)]}})
-}
-
-fn trt_removed(h: u64) -> Value {
-    json!({"event_id": h, "data": {"type": "removed", "block_hashes": [h + 1]}})
-}
-
-/// Queues eight stored events (every fourth followed by a removal of its second block) over
-/// both engines; returns the blocks they leave.
-fn round(engines: &[DrainEngine; 2], next: &mut u64) -> u64 {
-    let mut blocks = 0;
-    for i in 0..8 {
-        let e = &engines[i % 2];
-        e.push(trt_stored(*next, &format!("tenant-{}", i % 3)));
-        blocks += 2;
-        if i % 4 == 3 {
-            e.push(trt_removed(*next));
-            blocks -= 1;
-        }
-        *next += 10;
-    }
-    blocks
 }
 
 fn refs(rs: &[Replica]) -> Vec<&Replica> {

@@ -43,6 +43,18 @@ fn invalid_configuration_stops_start_up_naming_the_field() {
             "server: {admin_token_file: /nonexistent/admin-token}",
             "server.admin_token_file",
         ),
+        (
+            "flow_control: {default_tenant: {weight: 0}}",
+            "flow_control.default_tenant.weight",
+        ),
+        (
+            "flow_control: {tenants: [{id: acme, band: platinum}]}",
+            "flow_control.tenants[0].band",
+        ),
+        (
+            "flow_control: {max_queued_requests: -5}",
+            "flow_control.max_queued_requests",
+        ),
     ];
     for (yaml, field) in cases {
         let path = write_config(yaml);

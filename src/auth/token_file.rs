@@ -1,10 +1,17 @@
-//! A bearer token kept in a file (a mounted Secret) and followed as the file changes.
+//! Bearer tokens kept in a file (a mounted Secret) and followed as the file changes.
+//!
+//! The file holds one token per line (blank lines ignored, surrounding whitespace trimmed); every
+//! token in it is accepted, and the first is the one this process presents when it dials (the
+//! peer API). Two lines make a rotation possible without a moment where two processes disagree:
+//! add the new token as a second line everywhere, then move it first, then drop the old one.
 //!
 //! Kubernetes rotates a Secret volume by swapping a symlink, so the file's metadata changes; a
 //! check that sees new metadata re-reads the file first. A presented token that does not match
 //! also re-reads it, at most once per [`RELOAD_INTERVAL`], for file systems whose timestamps miss
-//! a quick change. A file that is empty or unreadable later keeps the last good token (a Secret
-//! being rewritten must not lock every operator out); at start it is an error naming the field.
+//! a quick change. A file that is empty or unreadable later keeps the last good tokens (a file
+//! being rewritten in place must not lock every caller out); at start it is retried for a
+//! moment ([`TokenFile::open_patiently`]), then an error naming the field. No token is ever
+//! logged: messages name the field and the path only.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
@@ -15,6 +22,9 @@ use super::constant_time_eq;
 
 /// How often a failed compare may re-read the file.
 pub const RELOAD_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Most tokens one file may hold (a rotation needs two).
+const MAX_TOKENS: usize = 8;
 
 /// Why a token file cannot be used at start.
 #[derive(Debug, thiserror::Error)]
@@ -36,14 +46,14 @@ struct Stamp {
 }
 
 struct State {
-    token: String,
+    tokens: Vec<String>,
     stamp: Option<Stamp>,
     last_forced: Option<Instant>,
     /// The last re-read failed (logged once until a read succeeds again).
     failing: bool,
 }
 
-/// A token read from a file, re-read when the file changes.
+/// Tokens read from a file, re-read when the file changes.
 pub struct TokenFile {
     field: &'static str,
     path: PathBuf,
@@ -59,14 +69,28 @@ impl std::fmt::Debug for TokenFile {
     }
 }
 
-/// The file's token, trimmed of surrounding whitespace (a trailing newline is not part of it).
-fn read(path: &Path) -> Result<String, String> {
+/// The file's tokens, one per non-blank line, trimmed (a trailing newline is not part of one).
+fn read(path: &Path) -> Result<Vec<String>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
-    let token = text.trim();
-    if token.is_empty() {
+    let tokens: Vec<String> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(str::to_owned)
+        .collect();
+    if tokens.is_empty() {
         return Err("the file is empty".into());
     }
-    Ok(token.to_owned())
+    if tokens.len() > MAX_TOKENS {
+        return Err(format!("more than {MAX_TOKENS} tokens"));
+    }
+    if tokens
+        .iter()
+        .any(|t| !t.bytes().all(|b| b.is_ascii_graphic()))
+    {
+        return Err("a token must be printable ASCII without spaces".into());
+    }
+    Ok(tokens)
 }
 
 fn stamp(path: &Path) -> Option<Stamp> {
@@ -78,38 +102,54 @@ fn stamp(path: &Path) -> Option<Stamp> {
 }
 
 impl TokenFile {
-    /// Reads the token once; an unreadable or empty file is an error naming `field` (I/O: one
+    /// Reads the tokens once; an unreadable or empty file is an error naming `field` (I/O: one
     /// read).
     pub fn open(field: &'static str, path: &Path) -> Result<TokenFile, TokenFileError> {
-        let stamp = stamp(path);
-        let token = read(path).map_err(|reason| TokenFileError {
-            field,
-            path: path.display().to_string(),
-            reason,
-        })?;
+        Self::open_patiently(field, path, Duration::ZERO)
+    }
+
+    /// As [`TokenFile::open`], retrying every 100 ms for up to `patience` while the file is
+    /// missing, empty or unusable (a Secret being written by a tool that truncates first).
+    /// Blocks the calling thread for at most `patience`.
+    pub fn open_patiently(
+        field: &'static str,
+        path: &Path,
+        patience: Duration,
+    ) -> Result<TokenFile, TokenFileError> {
+        let deadline = Instant::now() + patience;
+        let tokens = loop {
+            let stamp = stamp(path);
+            match read(path) {
+                Ok(tokens) => break (tokens, stamp),
+                Err(reason) if Instant::now() >= deadline => {
+                    return Err(TokenFileError {
+                        field,
+                        path: path.display().to_string(),
+                        reason,
+                    });
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(100)),
+            }
+        };
         Ok(TokenFile {
             field,
             path: path.to_owned(),
             state: Mutex::new(State {
-                token,
-                stamp,
+                tokens: tokens.0,
+                stamp: tokens.1,
                 last_forced: None,
                 failing: false,
             }),
         })
     }
 
-    /// Whether `presented` is the current token, compared in constant time. Costs one `stat` of
-    /// the file, plus a read when it changed (or, on a mismatch, at most once per
-    /// [`RELOAD_INTERVAL`]).
+    /// Whether `presented` is one of the current tokens, compared in constant time (every
+    /// token is compared). Costs one `stat` of the file, plus a read when it changed (or, on a
+    /// mismatch, at most once per [`RELOAD_INTERVAL`]).
     pub fn matches(&self, presented: &str) -> bool {
         let mut s = self.state.lock();
-        let now = stamp(&self.path);
-        if now != s.stamp {
-            s.stamp = now;
-            self.reload(&mut s);
-        }
-        if constant_time_eq(presented.as_bytes(), s.token.as_bytes()) {
+        self.refresh_locked(&mut s);
+        if any_eq(&s.tokens, presented) {
             return true;
         }
         if s.last_forced.is_some_and(|t| t.elapsed() < RELOAD_INTERVAL) {
@@ -117,26 +157,50 @@ impl TokenFile {
         }
         s.last_forced = Some(Instant::now());
         self.reload(&mut s);
-        constant_time_eq(presented.as_bytes(), s.token.as_bytes())
+        any_eq(&s.tokens, presented)
+    }
+
+    /// The token to present when dialling: the file's first. Costs one `stat`, plus a read when
+    /// the file changed.
+    pub fn current(&self) -> String {
+        let mut s = self.state.lock();
+        self.refresh_locked(&mut s);
+        s.tokens[0].clone()
+    }
+
+    fn refresh_locked(&self, s: &mut State) {
+        let now = stamp(&self.path);
+        if now != s.stamp {
+            s.stamp = now;
+            self.reload(s);
+        }
     }
 
     fn reload(&self, s: &mut State) {
         match read(&self.path) {
-            Ok(token) => {
-                if token != s.token {
-                    tracing::info!(field = self.field, path = %self.path.display(), "token file changed: the new token is in use");
-                    s.token = token;
+            Ok(tokens) => {
+                if tokens != s.tokens {
+                    tracing::info!(field = self.field, path = %self.path.display(), tokens = tokens.len(), "token file changed: the new tokens are in use");
+                    s.tokens = tokens;
                 }
                 s.failing = false;
             }
             Err(reason) => {
                 if !s.failing {
-                    tracing::warn!(field = self.field, path = %self.path.display(), %reason, "token file unusable: keeping the last good token");
+                    tracing::warn!(field = self.field, path = %self.path.display(), %reason, "token file unusable: keeping the last good tokens");
                 }
                 s.failing = true;
+                // Read again at the next check even if the metadata does not move.
+                s.stamp = None;
             }
         }
     }
+}
+
+fn any_eq(tokens: &[String], presented: &str) -> bool {
+    tokens.iter().fold(false, |ok, t| {
+        ok | constant_time_eq(presented.as_bytes(), t.as_bytes())
+    })
 }
 
 #[cfg(test)]
@@ -204,8 +268,46 @@ mod tests {
         // the change, and the last one was just now.
         std::fs::write(&path, "bbbb").unwrap();
         t.state.lock().stamp = stamp(&path);
+        t.state.lock().failing = false;
         assert!(!t.matches("bbbb"));
         t.state.lock().last_forced = Some(Instant::now() - RELOAD_INTERVAL);
         assert!(t.matches("bbbb"));
+    }
+
+    #[test]
+    fn every_line_is_accepted_and_the_first_is_presented() {
+        let path = temp("two");
+        std::fs::write(&path, "new-token\n\n  old-token \n").unwrap();
+        let t = TokenFile::open("f", &path).unwrap();
+        assert!(t.matches("new-token") && t.matches("old-token"));
+        assert!(!t.matches("new-token\nold-token") && !t.matches(""));
+        assert_eq!(t.current(), "new-token");
+        rotate(&path, "old-token\n");
+        assert_eq!(t.current(), "old-token");
+        assert!(!t.matches("new-token"));
+        std::fs::write(&path, "has space\n").unwrap();
+        assert_eq!(
+            t.current(),
+            "old-token",
+            "a bad file keeps the last good tokens"
+        );
+    }
+
+    #[test]
+    fn a_file_written_late_is_waited_for_at_start() {
+        let path = temp("late");
+        let _ = std::fs::remove_file(&path);
+        let p2 = path.clone();
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            rotate(&p2, "late-token\n");
+        });
+        let t = TokenFile::open_patiently("f", &path, Duration::from_secs(30)).unwrap();
+        writer.join().unwrap();
+        assert_eq!(t.current(), "late-token");
+        assert!(
+            TokenFile::open_patiently("f", Path::new("/nonexistent/t"), Duration::from_millis(200))
+                .is_err()
+        );
     }
 }

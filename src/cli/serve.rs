@@ -117,7 +117,13 @@ pub(crate) fn effective_config(args: &ServeArgs) -> Result<Config, String> {
     }
     c.validate().map_err(|e| e.to_string())?;
     if let Some(path) = &c.peers.token_file {
-        std::fs::metadata(path).map_err(|e| format!("peer token file {}: {e}", path.display()))?;
+        // Waits a moment for a file being rewritten; `serve` re-reads it as it changes.
+        kv_epp::auth::TokenFile::open_patiently(
+            "peers.token_file",
+            path,
+            std::time::Duration::from_secs(10),
+        )
+        .map_err(|e| e.to_string())?;
     }
     // Token files are read here too, so --validate-only refuses an empty or unreadable one.
     let tokens = [

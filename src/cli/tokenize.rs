@@ -64,6 +64,11 @@ pub(crate) fn run(args: &TokenizeArgs, mut input: impl Read) -> Result<String, S
     if let Some(e) = &u.tokenize_failure {
         return Err(e.to_string());
     }
+    if let Some(e) = &u.unrenderable {
+        return Err(format!(
+            "{e} (ext_proc routes such a request on load alone)"
+        ));
+    }
     let Some(tokens) = &u.tokens else {
         return Err(format!(
             "kv-epp does not tokenize {path} for model `{named}` (no tokenizer configured, or not a tokenized endpoint)"

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use rand::SeedableRng;
 use rand::rngs::SmallRng;
 
-pub use picker::{Picker, Policy, UnknownModel};
+pub use picker::{Picker, Policy, UnknownModel, UnrenderableRequests};
 pub use reject::{ROUTED, Reject, TOKENIZE_FAILED};
 
 use crate::forward::rewrite_salt;
@@ -37,7 +37,9 @@ use kv_epp_core::fingerprint::Fingerprint;
 use kv_epp_core::hashing::{LocalBlockHash, SequenceHash, prompt_hashes};
 use kv_epp_core::namespace::{Namespace, seed_for};
 use kv_epp_core::salt::{CacheSalt, SaltInputs, SaltSource, resolve};
-use kv_epp_core::scoring::{Candidate, EngineLoad, PickError, Scored, ScoringConfig, pick, score};
+use kv_epp_core::scoring::{
+    Candidate, EngineLoad, PickError, Scored, ScoringConfig, affinity_gap, pick, score,
+};
 use kv_epp_core::worker::WorkerId;
 use kv_epp_tokenize::TokenizeError;
 
@@ -147,6 +149,23 @@ pub struct Understood {
     /// Tokenization failed on kv-epp's side (not the client's): the request routes on load
     /// alone.
     pub tokenize_failure: Option<TokenizeError>,
+    /// The most tokens the client asks to generate, when the body says (flow control's
+    /// expected decode work).
+    pub max_output_tokens: Option<u64>,
+    /// kv-epp cannot render the request exactly as the engine would (its
+    /// `TokenizeError::unrenderable` reason) and the policy is `load_only`: the request routes
+    /// on load alone and the engine decides whether it is valid.
+    pub unrenderable: Option<TokenizeError>,
+}
+
+impl Understood {
+    /// The `reason` label of [`Understood::unrenderable`].
+    pub fn unrenderable_reason(&self) -> Option<&'static str> {
+        self.unrenderable
+            .as_ref()
+            .and_then(TokenizeError::unrenderable)
+            .map(|r| r.label())
+    }
 }
 
 impl Understood {
@@ -175,6 +194,7 @@ impl fmt::Debug for Understood {
                 &self.rewritten_body.as_ref().map(Vec::len),
             )
             .field("tokenize_failure", &self.tokenize_failure)
+            .field("unrenderable", &self.unrenderable)
             .finish()
     }
 }
@@ -419,6 +439,7 @@ pub fn understand(picker: &Picker, parts: &RequestParts<'_>) -> Result<Understoo
         lora: resolved.and_then(|r| r.lora.map(str::to_owned)),
     };
     let mut tokenize_failure = None;
+    let mut unrenderable = None;
     let tokens = match (parsed.as_ref().map(|p| &p.prompt), parts.body) {
         (Some(Prompt::TokenIds(t)), _) => Some(t.clone()),
         (Some(_), Some(bytes)) => {
@@ -432,6 +453,15 @@ pub fn understand(picker: &Picker, parts: &RequestParts<'_>) -> Result<Understoo
                         tokens: at_least,
                         max,
                     });
+                }
+                Some(Err(error))
+                    if error.unrenderable().is_some()
+                        && picker.policy.unrenderable == UnrenderableRequests::LoadOnly =>
+                {
+                    // The engine may accept what kv-epp cannot render exactly: let it decide,
+                    // routing on load alone (no prefix credit from a prompt we would get wrong).
+                    unrenderable = Some(error);
+                    None
                 }
                 Some(Err(error)) if error.is_client_error() => {
                     return Err(Reject::BadPrompt {
@@ -481,6 +511,8 @@ pub fn understand(picker: &Picker, parts: &RequestParts<'_>) -> Result<Understoo
         hashes,
         rewritten_body,
         tokenize_failure,
+        unrenderable,
+        max_output_tokens: parsed.as_ref().and_then(|p| p.max_tokens),
     })
 }
 
@@ -515,6 +547,53 @@ fn choose(
     parts: &RequestParts<'_>,
     book: bool,
 ) -> Result<Decision, Reject> {
+    let booked = choose_ref(picker, &request, parts, book, None)?;
+    Ok(booked.into_decision(request))
+}
+
+/// A booking made for a request that is still borrowed (flow control offers capacity to a
+/// queued request without taking it out of its queue until the booking succeeds).
+#[derive(Debug)]
+pub struct Booked {
+    candidates: Vec<CandidateReport>,
+    decision: kv_epp_core::scoring::Decision,
+    booking: Option<Booking>,
+}
+
+impl Booked {
+    /// The whole decision, once the request can be given up.
+    pub fn into_decision(self, request: Understood) -> Decision {
+        Decision {
+            request,
+            candidates: self.candidates,
+            pick: self.decision.primary.candidate.worker,
+            fallbacks: self.decision.fallbacks,
+            cached_blocks: self.decision.primary.cached_blocks,
+            booking: self.booking,
+        }
+    }
+}
+
+/// Tries to decide and book for `request` without consuming it: the queued request's path.
+/// `hold` sees the affinity gap (how many more prompt blocks a saturated candidate holds than
+/// the pick, see [`affinity_gap`](kv_epp_core::scoring::affinity_gap)) and answers whether to
+/// wait for that worker instead; waiting is answered [`Reject::Saturated`] and books nothing.
+pub fn try_book(
+    picker: &Picker,
+    request: &Understood,
+    parts: &RequestParts<'_>,
+    hold: &dyn Fn(f64) -> bool,
+) -> Result<Booked, Reject> {
+    choose_ref(picker, request, parts, true, Some(hold))
+}
+
+fn choose_ref(
+    picker: &Picker,
+    request: &Understood,
+    parts: &RequestParts<'_>,
+    book: bool,
+    hold: Option<&dyn Fn(f64) -> bool>,
+) -> Result<Booked, Reject> {
     let base = request.model.base.as_deref();
     if base.is_none() && picker.policy.unknown_model == UnknownModel::Reject {
         return Err(Reject::UnknownModel(
@@ -580,6 +659,14 @@ fn choose(
                 model: named.clone(),
             },
         })?;
+        if let Some(hold) = hold {
+            let gap = affinity_gap(&eligible, &d.primary, blocks, cfg);
+            if gap > 0.0 && hold(gap) {
+                return Err(Reject::Saturated {
+                    model: named.clone(),
+                });
+            }
+        }
         let pick_id = d.primary.candidate.worker;
         let booking = match rows
             .iter()
@@ -611,13 +698,10 @@ fn choose(
             .collect();
         Ok((reports, d, booking))
     });
-    let (candidates, d, booking) = picked?;
-    Ok(Decision {
-        request,
+    let (candidates, decision, booking) = picked?;
+    Ok(Booked {
         candidates,
-        pick: d.primary.candidate.worker,
-        fallbacks: d.fallbacks,
-        cached_blocks: d.primary.cached_blocks,
+        decision,
         booking,
     })
 }

@@ -23,6 +23,19 @@ pub enum UnknownModel {
     Reject,
 }
 
+/// What to do with a request kv-epp cannot render exactly as the engine would
+/// (`kv_epp_tokenize::TokenizeError::unrenderable`): a template error, an option or input kv-epp
+/// does not reproduce. Malformed requests are refused either way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnrenderableRequests {
+    /// Route on load alone (no prefix credit), count it by reason and let the engine decide.
+    #[default]
+    LoadOnly,
+    /// Answer 400 with the reason, as for a malformed request.
+    Reject,
+}
+
 /// How decisions are made, as the operator configured it.
 #[derive(Clone)]
 pub struct Policy {
@@ -32,10 +45,15 @@ pub struct Policy {
     pub max_inflight: Option<u32>,
     /// What to do with a model that is not served.
     pub unknown_model: UnknownModel,
+    /// What to do with a request kv-epp cannot render exactly.
+    pub unrenderable: UnrenderableRequests,
     /// Which salt sources are trusted, and whether a salt is required.
     pub salt: SaltPolicy,
     /// The key salts are fingerprinted under (the same on every replica makes logs comparable).
     pub fingerprints: FingerprintKey,
+    /// Whether the workers' events carry the salt of salted stores (`events.salted_events`):
+    /// when not, a salted request is routed without isolation and counted.
+    pub salted_events: bool,
 }
 
 impl std::fmt::Debug for Policy {
@@ -45,7 +63,9 @@ impl std::fmt::Debug for Policy {
             .field("scoring", &self.scoring)
             .field("max_inflight", &self.max_inflight)
             .field("unknown_model", &self.unknown_model)
+            .field("unrenderable", &self.unrenderable)
             .field("salt", &self.salt)
+            .field("salted_events", &self.salted_events)
             .finish_non_exhaustive()
     }
 }

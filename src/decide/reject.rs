@@ -85,6 +85,44 @@ pub enum Reject {
         /// The served base model, when the request named one.
         model: Option<String>,
     },
+    /// Flow control: the queue is at one of its limits (total or the tenant's, requests or
+    /// bytes): 429 with `Retry-After`.
+    #[error("the request queue is full ({limit})")]
+    QueueFull {
+        /// The served base model, when the request named one.
+        model: Option<String>,
+        /// The configuration field of the limit that was reached.
+        limit: &'static str,
+    },
+    /// Flow control: the request waited `flow_control.queue_timeout_ms` without capacity
+    /// freeing up: 429 with `Retry-After`.
+    #[error("no capacity freed up within {waited_ms} ms in the queue")]
+    QueueTimeout {
+        /// The served base model, when the request named one.
+        model: Option<String>,
+        /// How long it waited.
+        waited_ms: u64,
+    },
+    /// Quota: the tenant already has its `max_inflight` requests in flight: 429 with
+    /// `Retry-After`.
+    #[error("the tenant has {limit} requests in flight, its limit")]
+    TenantInflight {
+        /// The served base model, when the request named one.
+        model: Option<String>,
+        /// The tenant's in-flight limit.
+        limit: u32,
+    },
+    /// Quota: the tenant's token rate (prompt + expected decode tokens per second) is used up:
+    /// 429 with `Retry-After` (when the tenant's bucket will hold the request again).
+    #[error("the tenant's token rate of {tokens_per_second}/s is used up")]
+    TenantRate {
+        /// The served base model, when the request named one.
+        model: Option<String>,
+        /// The tenant's rate.
+        tokens_per_second: u64,
+        /// Seconds until the request would fit.
+        retry_after: u32,
+    },
 }
 
 impl Reject {
@@ -98,7 +136,11 @@ impl Reject {
             Reject::UnknownModel(_) => 404,
             Reject::StreamIdle { .. } => 408,
             Reject::BodyTooLarge { .. } => 413,
-            Reject::Saturated { .. } => 429,
+            Reject::Saturated { .. }
+            | Reject::QueueFull { .. }
+            | Reject::QueueTimeout { .. }
+            | Reject::TenantInflight { .. }
+            | Reject::TenantRate { .. } => 429,
             Reject::NoEndpoints { .. } | Reject::BufferFull { .. } => 503,
         }
     }
@@ -115,6 +157,10 @@ impl Reject {
             Reject::BufferFull { .. } => "rejected-buffer-full",
             Reject::NoEndpoints { .. } => "rejected-no-endpoints",
             Reject::Saturated { .. } => "rejected-saturated",
+            Reject::QueueFull { .. } => "rejected-queue-full",
+            Reject::QueueTimeout { .. } => "rejected-queue-timeout",
+            Reject::TenantInflight { .. } => "rejected-tenant-inflight-limit",
+            Reject::TenantRate { .. } => "rejected-tenant-rate-limit",
         }
     }
 
@@ -130,6 +176,10 @@ impl Reject {
             Reject::BufferFull { .. } => "rejected_buffer_full",
             Reject::NoEndpoints { .. } => "rejected_no_endpoints",
             Reject::Saturated { .. } => "rejected_saturated",
+            Reject::QueueFull { .. } => "rejected_queue_full",
+            Reject::QueueTimeout { .. } => "rejected_queue_timeout",
+            Reject::TenantInflight { .. } => "rejected_tenant_inflight",
+            Reject::TenantRate { .. } => "rejected_tenant_rate",
         }
     }
 
@@ -140,9 +190,12 @@ impl Reject {
         match self {
             Reject::BadPrompt { model, .. } | Reject::PromptTooLong { model, .. } => model,
             Reject::UnknownModel(_) => "unknown",
-            Reject::NoEndpoints { model, .. } | Reject::Saturated { model } => {
-                model.as_deref().unwrap_or("")
-            }
+            Reject::NoEndpoints { model, .. }
+            | Reject::Saturated { model }
+            | Reject::QueueFull { model, .. }
+            | Reject::QueueTimeout { model, .. }
+            | Reject::TenantInflight { model, .. }
+            | Reject::TenantRate { model, .. } => model.as_deref().unwrap_or(""),
             Reject::BadRequest(_)
             | Reject::BadSalt(_)
             | Reject::BodyTooLarge { .. }
@@ -153,7 +206,7 @@ impl Reject {
 
     /// Whether the reply carries `Retry-After` (the client may try again shortly).
     pub(crate) fn retry_later(&self) -> bool {
-        matches!(self, Reject::Saturated { .. })
+        self.status() == 429
     }
 
     /// The reply's headers besides the body's content type: the dropped reason, and
@@ -162,7 +215,11 @@ impl Reject {
     pub fn headers(&self, retry_after_seconds: u32) -> Vec<(&'static str, String)> {
         let mut h = vec![("x-llm-d-request-dropped-reason", self.reason().to_owned())];
         if self.retry_later() {
-            h.push(("retry-after", retry_after_seconds.to_string()));
+            let seconds = match self {
+                Reject::TenantRate { retry_after, .. } => retry_after_seconds.max(*retry_after),
+                _ => retry_after_seconds,
+            };
+            h.push(("retry-after", seconds.to_string()));
         }
         h
     }
@@ -203,6 +260,23 @@ mod tests {
                 scope: "",
             },
             Reject::Saturated { model: None },
+            Reject::QueueFull {
+                model: None,
+                limit: "flow_control.max_queued_requests",
+            },
+            Reject::QueueTimeout {
+                model: None,
+                waited_ms: 1,
+            },
+            Reject::TenantInflight {
+                model: None,
+                limit: 1,
+            },
+            Reject::TenantRate {
+                model: None,
+                tokens_per_second: 1,
+                retry_after: 1,
+            },
         ];
         for r in &all {
             match r {
@@ -215,7 +289,11 @@ mod tests {
                 | Reject::StreamIdle { .. }
                 | Reject::BufferFull { .. }
                 | Reject::NoEndpoints { .. }
-                | Reject::Saturated { .. } => {}
+                | Reject::Saturated { .. }
+                | Reject::QueueFull { .. }
+                | Reject::QueueTimeout { .. }
+                | Reject::TenantInflight { .. }
+                | Reject::TenantRate { .. } => {}
             }
         }
         all

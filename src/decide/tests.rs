@@ -284,3 +284,84 @@ workers: [{{endpoint: '10.0.0.1:8000', model: m}}]"
         other => panic!("{other}"),
     }
 }
+
+/// A picker whose model `m` renders chats with the llama3 fixture template (which raises on a
+/// conversation that does not alternate user/assistant).
+fn chat_router(policy: &str) -> Picker {
+    let fixtures = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokenizer");
+    let yaml = format!(
+        "routing: {{unrenderable: {policy}}}
+models: [{{name: m, block_size: 4, tokenizer: {{path: '{fixtures}/small-bpe', chat_template: '{fixtures}/templates/llama3.jinja'}}}}]
+workers: [{{endpoint: '10.0.0.1:8000', model: m}}]"
+    );
+    let c = Config::from_yaml(&yaml).unwrap();
+    c.validate().unwrap();
+    c.picker(Arc::new(Metrics::new())).unwrap()
+}
+
+fn chat_parts(body: &[u8]) -> RequestParts<'_> {
+    RequestParts {
+        path: "/v1/chat/completions",
+        body: Some(body),
+        ..RequestParts::default()
+    }
+}
+
+#[test]
+fn unrenderable_requests_route_on_load_or_are_refused_as_configured() {
+    let raises = br#"{"model":"m","messages":[{"role":"assistant","content":"first"},{"role":"user","content":"hi"}]}"#;
+    let untrusted =
+        br#"{"model":"m","chat_template":"{{ 'x' }}","messages":[{"role":"user","content":"hi"}]}"#;
+    let malformed = br#"{"model":"m","messages":[]}"#;
+    let fine = br#"{"model":"m","messages":[{"role":"developer","content":"be brief"},{"role":"user","content":"hi"}]}"#;
+
+    let load_only = chat_router("load_only");
+    for (body, reason) in [
+        (&raises[..], "template_rejected"),
+        (&untrusted[..], "request_chat_template"),
+    ] {
+        let d = decide(&load_only, &chat_parts(body)).unwrap();
+        assert_eq!(d.request.unrenderable_reason(), Some(reason));
+        assert!(d.request.tokens.is_none() && d.request.hashes.sequence.is_empty());
+        assert_eq!(d.cached_blocks, 0.0);
+    }
+    let d = decide(&load_only, &chat_parts(fine)).unwrap();
+    assert_eq!(d.request.unrenderable_reason(), None);
+    assert!(
+        d.request.tokens.is_some(),
+        "developer is rendered as system"
+    );
+    assert!(matches!(
+        decide(&load_only, &chat_parts(malformed)),
+        Err(Reject::BadPrompt { .. })
+    ));
+
+    let reject = chat_router("reject");
+    for body in [&raises[..], &untrusted[..], &malformed[..]] {
+        let e = decide(&reject, &chat_parts(body)).unwrap_err();
+        assert!(matches!(e, Reject::BadPrompt { .. }), "{e:?}");
+        assert_eq!(e.status(), 400);
+    }
+    assert!(Config::from_yaml("routing: {unrenderable: maybe}").is_err());
+
+    // /v1/responses: messages are tokenized; items not mapped yet route on load, counted.
+    let responses = |body: &'static [u8]| RequestParts {
+        path: "/v1/responses",
+        body: Some(body),
+        ..RequestParts::default()
+    };
+    let d = decide(
+        &load_only,
+        &responses(br#"{"model":"m","input":"hi","instructions":"be brief"}"#),
+    )
+    .unwrap();
+    assert!(d.request.tokens.as_ref().is_some_and(|t| !t.is_empty()));
+    let d = decide(
+        &load_only,
+        &responses(
+            br#"{"model":"m","input":[{"type":"function_call_output","call_id":"c","output":"x"}]}"#,
+        ),
+    )
+    .unwrap();
+    assert_eq!(d.request.unrenderable_reason(), Some("responses_input"));
+}

@@ -9,10 +9,12 @@
 //!   bytes left, nesting limited).
 //! - `subscriber.rs`: the ZeroMQ SUB/DEALER feed with sequence tracking and replay.
 //! - `trtllm.rs`: TensorRT-LLM's destructive HTTP drain, polled, into the same form.
+//! - `server_info.rs`: an SGLang worker's own `/server_info`, for its publisher's port.
 //!
 //! Every event reaches the index through the core's one writer, `engine_event::apply`.
 
 mod msgpack;
+pub(crate) mod server_info;
 pub mod subscriber;
 pub mod trtllm;
 pub mod vllm;
@@ -37,9 +39,10 @@ pub enum EventEngine {
     /// vLLM over ZeroMQ.
     #[default]
     Vllm,
-    /// SGLang: vLLM-shaped ZeroMQ events without salts (salted tenants get no credit from them).
+    /// SGLang: vLLM-shaped ZeroMQ events, its salt in the event itself (both encodings).
     Sglang,
-    /// TensorRT-LLM's `POST /kv_cache_events` drain, polled.
+    /// TensorRT-LLM: the `POST /kv_cache_events` drain, polled, or its ZeroMQ publisher
+    /// (`events.trtllm.transport`).
     Trtllm,
     /// No events: route on load alone.
     None,

@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use super::vllm::{DecodeError, Neutral, decode_batch};
+use super::vllm::{DecodeError, Dialect, Neutral, decode_batch_as};
 use super::zmtp::{self, Limits, SocketType, ZmtpError};
 use kv_epp_core::engine_event::{self, ApplyError, EventCounters};
 use kv_epp_core::index::KvIndex;
@@ -50,6 +50,8 @@ pub struct FeedEndpoints {
     pub replay: Option<String>,
     /// The topic to subscribe to ("" = all).
     pub topic: String,
+    /// How the engine writes its events.
+    pub dialect: Dialect,
 }
 
 /// The two sockets of a feed, as counter labels.
@@ -386,7 +388,8 @@ impl Feed {
     /// Applies one payload (already sequence-checked).
     pub(crate) fn apply_payload(&self, payload: &[u8]) {
         let st = &self.status;
-        let batch = match decode_batch(payload) {
+        let dialect = self.endpoints.dialect;
+        let batch = match decode_batch_as(payload, dialect) {
             Ok(b) => b,
             Err(e @ DecodeError::TooMany { .. }) => {
                 self.dropped(Dropped::OversizeBatch, &e);
@@ -406,7 +409,7 @@ impl Feed {
         }
         let mut clean = true;
         for ev in batch.events {
-            let ev = match ev.map(super::vllm::Event::into_neutral) {
+            let ev = match ev.map(|ev| ev.into_neutral(dialect)) {
                 Ok(Neutral::Event(ev)) => ev,
                 Ok(Neutral::OtherGroup) => {
                     st.dropped[Dropped::OtherGroup as usize].fetch_add(1, Ordering::Relaxed);
@@ -736,6 +739,7 @@ mod tests {
                 events: "tcp://127.0.0.1:1".into(),
                 replay: None,
                 topic: String::new(),
+                dialect: Dialect::Vllm,
             },
             limits: Limits::default(),
             status: Default::default(),

@@ -43,6 +43,8 @@ pub(crate) struct PollStatus {
     pub failures: AtomicU64,
     /// Events applied.
     pub applied: AtomicU64,
+    /// Ticks skipped because this replica's ownership lease had lapsed (fencing).
+    pub fenced: AtomicU64,
     /// Asked to stop: the poller finishes the drain in flight (the engine already forgot those
     /// events), delivers it, and ends.
     pub stop: AtomicBool,
@@ -157,13 +159,25 @@ fn stored(bs: usize, data: &Value) -> Result<Option<EngineEvent>, &'static str> 
         medium,
         // Checked above block by block against the model's: full blocks only.
         block_size: None,
+        session_id: None,
     })))
 }
 
-/// Where a poller's decoded events go.
+/// Where a poller's decoded events go, and whether it may drain at all.
 pub(crate) trait EventSink: Send + Sync {
-    /// Takes one drain's events of `worker`, in order.
-    fn deliver(&self, worker: &WorkerId, events: Vec<EngineEvent>);
+    /// Asked right before each drain: `None` skips this tick (a replica whose ownership lease
+    /// lapsed must not drain until it is confirmed again). The ticket stamps the drain.
+    fn admit(&self, _worker: &WorkerId) -> Option<crate::replica::fence::Ticket> {
+        Some(Default::default())
+    }
+
+    /// Takes one drain's events of `worker`, in order, drained under `ticket`.
+    fn deliver(
+        &self,
+        worker: &WorkerId,
+        ticket: crate::replica::fence::Ticket,
+        events: Vec<EngineEvent>,
+    );
 }
 
 /// Applies drained events to this replica's index only (no peers).
@@ -175,7 +189,12 @@ pub(crate) struct LocalSink {
 }
 
 impl EventSink for LocalSink {
-    fn deliver(&self, worker: &WorkerId, events: Vec<EngineEvent>) {
+    fn deliver(
+        &self,
+        worker: &WorkerId,
+        _ticket: crate::replica::fence::Ticket,
+        events: Vec<EngineEvent>,
+    ) {
         for ev in &events {
             if let Err(e) = engine_event::apply(&self.index, worker, ev, &self.counters) {
                 tracing::debug!(%worker, error = %e, "TensorRT-LLM KV event not applied");
@@ -200,6 +219,10 @@ pub(crate) async fn poll(
         if status.stop.load(Ordering::Acquire) {
             return;
         }
+        let Some(ticket) = sink.admit(&worker) else {
+            status.fenced.fetch_add(1, Ordering::Relaxed);
+            continue;
+        };
         let limits = httpc::Limits {
             deadline: Duration::from_secs(5),
             max_body: MAX_DRAIN,
@@ -238,7 +261,7 @@ pub(crate) async fn poll(
             status.applied.fetch_add(1, Ordering::Relaxed);
         }
         if !normalized.is_empty() {
-            sink.deliver(&worker, normalized);
+            sink.deliver(&worker, ticket, normalized);
         }
     }
 }

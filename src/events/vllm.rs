@@ -57,6 +57,27 @@ pub(crate) const MAX_TOKENS_PER_EVENT: usize = 1_048_576;
 /// wire, which is why this is capped at all.
 pub(crate) const MAX_EXTRA_KEYS: usize = 4_096;
 
+/// Which engine's dialect of the vLLM-shaped ZeroMQ events a feed speaks. The framing and the
+/// batch are the same; events differ in where the tenant salt is and how hashes are written.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Dialect {
+    /// vLLM: the salt (tagged by kv-epp) in the first block's extra keys.
+    #[default]
+    Vllm,
+    /// SGLang: the salt in the event itself, a trailing positional `metadata` map
+    /// `{cache_salt, session_id}` (SGLang since #30827) or the `cache_salt` / `session_id` fields
+    /// of a tagged map (since #37482); LoRA by `lora_id` only; signed 64-bit hashes.
+    Sglang,
+    /// TensorRT-LLM's ZeroMQ publisher: vLLM-shaped tagged maps with signed 64-bit hashes; a salt,
+    /// when one is published, in the blocks' extra keys, under the drain's rule (one event, one
+    /// salt).
+    Trtllm,
+}
+
+/// Longest `session_id` kept; a longer one is decoded as absent (it is metadata, never a reason
+/// to drop a store).
+pub(crate) const MAX_SESSION_ID_BYTES: usize = 256;
+
 /// A decoded `BlockStored`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Stored {
@@ -66,16 +87,28 @@ pub struct Stored {
     pub parent: Option<EngineBlockHash>,
     /// The tokens of exactly these blocks.
     pub token_ids: Vec<u32>,
-    /// Tokens per block.
-    pub block_size: usize,
+    /// Tokens per block, when the engine said (offload connectors may not, vLLM #36644).
+    pub block_size: Option<usize>,
     /// The LoRA adapter, when set.
     pub lora_name: Option<String>,
+    /// Whether the event names an adapter by id only (SGLang, TensorRT-LLM): its name, which the
+    /// namespace needs, is then unknown.
+    pub lora_id: bool,
     /// The storage medium (`GPU`, `CPU`, ...), when set.
     pub medium: Option<String>,
-    /// The first block's extra keys (where the salt of a sequence start lives).
+    /// `LOCAL` or `REMOTE` relative to the publisher, when set (vLLM).
+    pub locality: Option<String>,
+    /// The first block's extra keys (where vLLM's salt of a sequence start lives).
     pub first_extra_keys: Vec<ExtraKey>,
+    /// The salt the event itself carries (SGLang); `Some("")` is unsalted, as SGLang reads it.
+    pub cache_salt: Option<String>,
+    /// The session that triggered the store, when the engine says (vLLM, SGLang).
+    pub session_id: Option<String>,
     /// The KV-cache group (hybrid models); 0 when absent.
     pub group_idx: u32,
+    /// Whether the group is a sliding window (`kv_cache_spec_sliding_window` set): its blocks do
+    /// not hold whole prefixes.
+    pub sliding_window: bool,
 }
 
 /// A decoded event.
@@ -91,6 +124,8 @@ pub enum Event {
         medium: Option<String>,
         /// The KV-cache group; 0 when absent.
         group_idx: u32,
+        /// `LOCAL` or `REMOTE`, when set.
+        locality: Option<String>,
     },
     /// The engine's whole prefix cache was reset.
     AllCleared,
@@ -98,7 +133,7 @@ pub enum Event {
     Unknown,
 }
 
-/// What a decoded vLLM event becomes for the index.
+/// What a decoded event becomes for the index.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Neutral {
     /// An event to apply.
@@ -109,40 +144,68 @@ pub(crate) enum Neutral {
     Unknown,
 }
 
+/// The tier a medium and a locality name: a block the publisher calls `REMOTE` is never device
+/// cache of this worker, whatever its medium.
+fn tier(medium: Option<&str>, locality: Option<&str>) -> Medium {
+    if locality.is_some_and(|l| l.eq_ignore_ascii_case("remote")) {
+        return Medium::Offload;
+    }
+    Medium::from_engine(medium)
+}
+
 impl Event {
-    /// The engine-neutral form of this event, with the namespace rule run on a sequence start.
-    pub(crate) fn into_neutral(self) -> Neutral {
+    /// The engine-neutral form of this event, with `dialect`'s namespace rule run on a sequence
+    /// start.
+    pub(crate) fn into_neutral(self, dialect: Dialect) -> Neutral {
         match self {
             Event::Stored(st) => {
-                if st.group_idx != 0 {
+                if st.group_idx != 0 || st.sliding_window {
                     return Neutral::OtherGroup;
                 }
-                let root_seed = if st.parent.is_none() {
-                    namespace::root_seed(st.lora_name.as_deref(), &st.first_extra_keys)
-                } else {
+                let root_seed = if st.parent.is_some() {
                     None // inherited from the parent inside the index
+                } else {
+                    match dialect {
+                        Dialect::Vllm | Dialect::Trtllm if st.lora_id && st.lora_name.is_none() => {
+                            None
+                        }
+                        Dialect::Vllm | Dialect::Trtllm => {
+                            namespace::root_seed(st.lora_name.as_deref(), &st.first_extra_keys)
+                        }
+                        // The adapter's name is not in SGLang's event: its namespace is unknown.
+                        Dialect::Sglang if st.lora_id => None,
+                        Dialect::Sglang => match st.cache_salt {
+                            Some(s) if !s.is_empty() => {
+                                namespace::root_seed(None, &[ExtraKey::Str(s)])
+                            }
+                            _ => namespace::root_seed(None, &[]),
+                        },
+                    }
                 };
                 Neutral::Event(EngineEvent::Stored(StoredRun {
                     parent: st.parent,
                     root_seed,
                     engine_hashes: st.block_hashes,
                     tokens: st.token_ids,
-                    medium: Medium::from_engine(st.medium.as_deref()),
-                    block_size: Some(st.block_size),
+                    medium: tier(st.medium.as_deref(), st.locality.as_deref()),
+                    block_size: st.block_size,
+                    session_id: st.session_id,
                 }))
             }
             Event::Removed {
                 block_hashes,
                 medium,
                 group_idx,
+                locality,
             } => {
                 if group_idx != 0 {
                     return Neutral::OtherGroup;
                 }
                 Neutral::Event(EngineEvent::Removed {
                     engine_hashes: block_hashes,
-                    tiers: kv_epp_core::engine_event::tier_bit(Medium::from_engine(
+                    tiers: kv_epp_core::engine_event::tier_bit(tier(
                         medium.as_deref(),
+                        locality.as_deref(),
                     )),
                 })
             }
@@ -169,6 +232,7 @@ pub struct Batch<'a> {
 pub struct Events<'a> {
     rd: Reader<'a>,
     left: u32,
+    dialect: Dialect,
 }
 
 impl Iterator for Events<'_> {
@@ -177,7 +241,7 @@ impl Iterator for Events<'_> {
     fn next(&mut self) -> Option<Self::Item> {
         self.left = self.left.checked_sub(1)?;
         Some(match split_event(&mut self.rd) {
-            Ok((tag, fields)) => decode_event(tag, &fields),
+            Ok((tag, fields)) => decode_event(self.dialect, tag, &fields),
             Err(e) => {
                 // Unreachable after `decode_batch` validated the frame; stop rather than guess.
                 self.left = 0;
@@ -242,6 +306,12 @@ impl From<Malformed> for DecodeError {
 /// `MAX_DEPTH` deep; [`DecodeError::NotBatch`] if it is not `[ts, [event...], rank?]`;
 /// [`DecodeError::TooMany`] if it has more than `MAX_EVENTS_PER_BATCH` events.
 pub fn decode_batch(payload: &[u8]) -> Result<Batch<'_>, DecodeError> {
+    decode_batch_as(payload, Dialect::Vllm)
+}
+
+/// [`decode_batch`] for an engine's [`Dialect`]: the same frame checks and caps; the events are
+/// read as that engine writes them.
+pub fn decode_batch_as(payload: &[u8], dialect: Dialect) -> Result<Batch<'_>, DecodeError> {
     let mut rd = Reader::new(payload);
     // The batch is depth 1, so its items may nest MAX_DEPTH - 1 deep, and each event
     // MAX_DEPTH - 2.
@@ -262,6 +332,7 @@ pub fn decode_batch(payload: &[u8]) -> Result<Batch<'_>, DecodeError> {
     let events = Events {
         rd: rd.clone(),
         left: count,
+        dialect,
     };
     for _ in 0..count {
         rd.skip(MAX_DEPTH - 2)?;
@@ -290,35 +361,84 @@ fn capped(n: u32, limit: usize, what: &'static str) -> Result<usize, DecodeError
         .ok_or(DecodeError::TooMany { what, limit })
 }
 
-/// Legacy positions read (after the tag): `BlockStored` has nine known fields.
-const POSITIONS: usize = 9;
+/// Positional fields read (after the tag): vLLM's `BlockStored` has fourteen known ones.
+const POSITIONS: usize = 14;
 
-/// Map keys read (besides `"type"`).
-const KEYS: [&str; 8] = [
+/// vLLM's positional `BlockStored` fields, in order after the tag (`lookahead_token_ids`, the
+/// 15th, is not read). TensorRT-LLM writes maps, but its field order is the same.
+const VLLM_STORED: [&str; POSITIONS] = [
     "block_hashes",
     "parent_block_hash",
     "token_ids",
     "block_size",
+    "lora_id",
     "medium",
     "lora_name",
     "extra_keys",
     "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+    "session_id",
+];
+/// vLLM's positional `BlockRemoved` fields.
+const VLLM_REMOVED: [&str; 5] = [
+    "block_hashes",
+    "medium",
+    "group_idx",
+    "locality",
+    "ownership",
+];
+/// SGLang's positional `BlockStored` fields; `metadata` is present only on salted (or
+/// session-attributed) stores (`BlockStoredWithMetadata`).
+const SGLANG_STORED: [&str; 7] = [
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "metadata",
+];
+/// SGLang's positional `BlockRemoved` fields.
+const SGLANG_REMOVED: [&str; 2] = ["block_hashes", "medium"];
+
+/// Map keys read (besides `"type"`): every dialect's, by name.
+const KEYS: [&str; 14] = [
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_sliding_window",
+    "locality",
+    "session_id",
+    "cache_salt",
+    "metadata",
 ];
 
 /// The encoded values of one event's fields, over either layout, found in one pass.
 enum Fields<'a> {
-    /// Legacy: by position after the tag.
+    /// Positional: by position after the tag.
     Array([Option<&'a [u8]>; POSITIONS]),
-    /// Current: by name (one of [`KEYS`]); the first occurrence of a key wins.
+    /// Map: by name (one of [`KEYS`]); the first occurrence of a key wins.
     Map([Option<&'a [u8]>; KEYS.len()]),
 }
 
 impl<'a> Fields<'a> {
-    /// The encoded field at `pos` (legacy array, after the tag) or named `name` (map); `None`
-    /// when absent or nil.
-    fn get(&self, pos: usize, name: &str) -> Option<&'a [u8]> {
+    /// The encoded field `name`: at its position in `order` (positional layout) or under its
+    /// name (map); `None` when absent or nil.
+    fn get(&self, order: &[&str], name: &str) -> Option<&'a [u8]> {
         let v = match self {
-            Fields::Array(a) => a.get(pos).copied().flatten(),
+            Fields::Array(a) => order
+                .iter()
+                .position(|k| *k == name)
+                .and_then(|i| a.get(i).copied().flatten()),
             Fields::Map(m) => {
                 debug_assert!(KEYS.contains(&name), "{name} is not read from maps");
                 KEYS.iter().position(|k| *k == name).and_then(|i| m[i])
@@ -382,16 +502,26 @@ fn head_of(v: &[u8]) -> Result<(Head<'_>, Reader<'_>), DecodeError> {
     Ok((rd.head()?, rd))
 }
 
-/// Decodes one event from its parts (see [`split_event`]).
-fn decode_event(tag: Option<&[u8]>, fields: &Fields<'_>) -> Result<Event, DecodeError> {
+/// Decodes one event from its parts (see [`split_event`]) as `dialect` writes it.
+fn decode_event(
+    dialect: Dialect,
+    tag: Option<&[u8]>,
+    fields: &Fields<'_>,
+) -> Result<Event, DecodeError> {
     match tag.and_then(str_of).ok_or(DecodeError::NoTag)? {
-        "BlockStored" => stored(fields).map(Event::Stored),
+        "BlockStored" => stored(dialect, fields).map(Event::Stored),
         "BlockRemoved" => {
             let e = "BlockRemoved";
+            let order: &[&str] = match dialect {
+                Dialect::Sglang => &SGLANG_REMOVED,
+                Dialect::Vllm | Dialect::Trtllm => &VLLM_REMOVED,
+            };
+            let f = |name| fields.get(order, name);
             Ok(Event::Removed {
-                block_hashes: hashes(fields.get(0, "block_hashes"), e, "block_hashes")?,
-                medium: opt_str(fields.get(1, "medium"), e, "medium")?,
-                group_idx: opt_u32(fields.get(2, "group_idx"), e, "group_idx")?.unwrap_or(0),
+                block_hashes: hashes(dialect, f("block_hashes"), e, "block_hashes")?,
+                medium: opt_str(f("medium"), e, "medium")?,
+                group_idx: opt_u32(f("group_idx"), e, "group_idx")?.unwrap_or(0),
+                locality: lenient_str(f("locality")),
             })
         }
         "AllBlocksCleared" => Ok(Event::AllCleared),
@@ -399,16 +529,20 @@ fn decode_event(tag: Option<&[u8]>, fields: &Fields<'_>) -> Result<Event, Decode
     }
 }
 
-fn stored(f: &Fields<'_>) -> Result<Stored, DecodeError> {
+fn stored(dialect: Dialect, fields: &Fields<'_>) -> Result<Stored, DecodeError> {
     let e = "BlockStored";
     let bad = |field| DecodeError::Field { event: e, field };
-    let block_hashes = hashes(f.get(0, "block_hashes"), e, "block_hashes")?;
-    let parent = f
-        .get(1, "parent_block_hash")
-        .map(|v| hash(head_of(v)?.0).ok_or(bad("parent_block_hash")))
+    let order: &[&str] = match dialect {
+        Dialect::Sglang => &SGLANG_STORED,
+        Dialect::Vllm | Dialect::Trtllm => &VLLM_STORED,
+    };
+    let f = |name| fields.get(order, name);
+    let block_hashes = hashes(dialect, f("block_hashes"), e, "block_hashes")?;
+    let parent = f("parent_block_hash")
+        .map(|v| hash(dialect, head_of(v)?.0).ok_or(bad("parent_block_hash")))
         .transpose()?;
     let token_ids = {
-        let (head, mut rd) = head_of(f.get(2, "token_ids").ok_or(bad("token_ids"))?)?;
+        let (head, mut rd) = head_of(f("token_ids").ok_or(bad("token_ids"))?)?;
         let Head::Array(n) = head else {
             return Err(bad("token_ids"));
         };
@@ -422,55 +556,186 @@ fn stored(f: &Fields<'_>) -> Result<Stored, DecodeError> {
         }
         out
     };
-    let block_size = match f.get(3, "block_size").map(head_of).transpose()? {
-        Some((Head::Uint(b), _)) => usize::try_from(b)
-            .ok()
-            .filter(|&b| b > 0 && b <= 1 << 20)
-            .ok_or(bad("block_size"))?,
-        _ => return Err(bad("block_size")),
+    // Absent: an offload connector that did not say (vLLM #36644); the writer then takes the
+    // model's block size only if the tokens prove it.
+    let block_size = match f("block_size").map(head_of).transpose()? {
+        None => None,
+        Some((Head::Uint(b), _)) => Some(
+            usize::try_from(b)
+                .ok()
+                .filter(|&b| b > 0 && b <= 1 << 20)
+                .ok_or(bad("block_size"))?,
+        ),
+        Some(_) => return Err(bad("block_size")),
     };
-    // Position 4 is the deprecated integer `lora_id`.
-    let medium = opt_str(f.get(5, "medium"), e, "medium")?;
-    let lora_name = opt_str(f.get(6, "lora_name"), e, "lora_name")?.filter(|l| !l.is_empty());
-    let first_extra_keys = match f.get(7, "extra_keys").map(head_of).transpose()? {
-        None | Some((Head::Array(0), _)) => Vec::new(),
-        Some((Head::Array(_), mut per_block)) => match per_block.head()? {
-            Head::Nil => Vec::new(),
-            Head::Array(n) => {
-                let n = capped(n, MAX_EXTRA_KEYS, "extra_keys")?;
-                let mut keys = Vec::with_capacity(n);
-                for _ in 0..n {
-                    let key = per_block.value(MAX_DEPTH)?;
-                    keys.push(match Reader::new(key).head()? {
-                        Head::Str(s) => std::str::from_utf8(s)
-                            .map(|s| ExtraKey::Str(s.to_owned()))
-                            .unwrap_or(ExtraKey::Other),
-                        _ => ExtraKey::Other,
-                    });
-                }
-                keys
-            }
-            _ => return Err(bad("extra_keys")),
-        },
-        Some(_) => return Err(bad("extra_keys")),
+    let lora_id = match f("lora_id").map(head_of).transpose()? {
+        None => false,
+        Some((Head::Uint(id), _)) => id != 0,
+        Some(_) => return Err(bad("lora_id")),
     };
-    let group_idx = opt_u32(f.get(8, "group_idx"), e, "group_idx")?.unwrap_or(0);
+    let medium = opt_str(f("medium"), e, "medium")?;
+    let lora_name = opt_str(f("lora_name"), e, "lora_name")?.filter(|l| !l.is_empty());
+    let first_extra_keys = match dialect {
+        Dialect::Vllm => first_block_keys(f("extra_keys"))?,
+        Dialect::Trtllm => one_salt_keys(f("extra_keys"), lora_name.as_deref())?,
+        Dialect::Sglang => Vec::new(),
+    };
+    let mut session_id = lenient_str(f("session_id"));
+    let mut cache_salt = None;
+    if dialect == Dialect::Sglang {
+        let salt = opt_str(f("cache_salt"), e, "cache_salt")?;
+        let (meta_salt, meta_session) = metadata(f("metadata"))?;
+        // Both spellings in one event must agree: a salt is never guessed.
+        cache_salt = match (salt, meta_salt) {
+            (Some(a), Some(b)) if a != b => return Err(bad("cache_salt")),
+            (a, b) => a.or(b),
+        };
+        session_id = session_id.or(meta_session);
+    }
+    let session_id = session_id.filter(|s| !s.is_empty() && s.len() <= MAX_SESSION_ID_BYTES);
+    let group_idx = opt_u32(f("group_idx"), e, "group_idx")?.unwrap_or(0);
     Ok(Stored {
         block_hashes,
         parent,
         token_ids,
         block_size,
         lora_name,
+        lora_id,
         medium,
+        locality: lenient_str(f("locality")),
         first_extra_keys,
+        cache_salt,
+        session_id,
         group_idx,
+        sliding_window: f("kv_cache_spec_sliding_window").is_some(),
     })
 }
 
+/// vLLM: the first block's extra keys (the only block whose keys carry a sequence's salt).
+fn first_block_keys(v: Option<&[u8]>) -> Result<Vec<ExtraKey>, DecodeError> {
+    let bad = || DecodeError::Field {
+        event: "BlockStored",
+        field: "extra_keys",
+    };
+    match v.map(head_of).transpose()? {
+        None | Some((Head::Array(0), _)) => Ok(Vec::new()),
+        Some((Head::Array(_), mut per_block)) => match per_block.head()? {
+            Head::Nil => Ok(Vec::new()),
+            Head::Array(n) => block_keys(&mut per_block, n),
+            _ => Err(bad()),
+        },
+        Some(_) => Err(bad()),
+    }
+}
+
+/// One block's `n` extra keys, from `rd` (positioned after the block's array head).
+fn block_keys(rd: &mut Reader<'_>, n: u32) -> Result<Vec<ExtraKey>, DecodeError> {
+    let n = capped(n, MAX_EXTRA_KEYS, "extra_keys")?;
+    let mut keys = Vec::with_capacity(n);
+    for _ in 0..n {
+        let key = rd.value(MAX_DEPTH)?;
+        keys.push(match Reader::new(key).head()? {
+            Head::Str(s) => std::str::from_utf8(s)
+                .map(|s| ExtraKey::Str(s.to_owned()))
+                .unwrap_or(ExtraKey::Other),
+            _ => ExtraKey::Other,
+        });
+    }
+    Ok(keys)
+}
+
+/// The strings of one block's keys that could be a salt: all but a leading adapter name.
+fn salt_strings<'k>(keys: &'k [ExtraKey], lora: Option<&str>) -> Vec<&'k str> {
+    let mut strings: Vec<&str> = keys
+        .iter()
+        .filter_map(|k| match k {
+            ExtraKey::Str(s) => Some(s.as_str()),
+            ExtraKey::Other => None,
+        })
+        .collect();
+    if lora.is_some() && strings.first().copied() == lora {
+        strings.remove(0);
+    }
+    strings
+}
+
+/// TensorRT-LLM: the keys of every block, under the drain's rule: blocks of one event that carry
+/// different salts drop the event (`Field`); otherwise the keys of the first block that carries
+/// a salt stand for the event. Keys over all blocks are capped at `MAX_EXTRA_KEYS`.
+fn one_salt_keys(v: Option<&[u8]>, lora: Option<&str>) -> Result<Vec<ExtraKey>, DecodeError> {
+    let bad = || DecodeError::Field {
+        event: "BlockStored",
+        field: "extra_keys",
+    };
+    let Some((head, mut per_block)) = v.map(head_of).transpose()? else {
+        return Ok(Vec::new());
+    };
+    let Head::Array(blocks) = head else {
+        return Err(bad());
+    };
+    let mut chosen: Option<Vec<ExtraKey>> = None;
+    let mut total = 0u32;
+    for _ in 0..blocks {
+        let keys = match per_block.head()? {
+            Head::Nil => continue,
+            Head::Array(n) => {
+                total = total.saturating_add(n);
+                capped(total, MAX_EXTRA_KEYS, "extra_keys")?;
+                block_keys(&mut per_block, n)?
+            }
+            _ => return Err(bad()),
+        };
+        if salt_strings(&keys, lora).is_empty() {
+            continue;
+        }
+        match &chosen {
+            None => chosen = Some(keys),
+            Some(first) if salt_strings(first, lora) == salt_strings(&keys, lora) => {}
+            Some(_) => return Err(bad()),
+        }
+    }
+    Ok(chosen.unwrap_or_default())
+}
+
+/// SGLang's `metadata` map: its `cache_salt` and `session_id` (other keys ignored).
+fn metadata(v: Option<&[u8]>) -> Result<(Option<String>, Option<String>), DecodeError> {
+    let e = "BlockStored";
+    let Some(v) = v else {
+        return Ok((None, None));
+    };
+    let (head, mut rd) = head_of(v)?;
+    let Head::Map(n) = head else {
+        return Err(DecodeError::Field {
+            event: e,
+            field: "metadata",
+        });
+    };
+    let (mut salt, mut session) = (None, None);
+    for _ in 0..n {
+        let key = rd.value(MAX_DEPTH)?;
+        let value = Some(rd.value(MAX_DEPTH)?).filter(|v| v.first() != Some(&NIL));
+        match str_of(key) {
+            Some("cache_salt") if salt.is_none() => salt = opt_str(value, e, "cache_salt")?,
+            Some("session_id") if session.is_none() => session = lenient_str(value),
+            _ => {}
+        }
+    }
+    Ok((salt, session))
+}
+
+/// An optional string field that is never a reason to drop an event: anything but a UTF-8
+/// string is absent.
+fn lenient_str(v: Option<&[u8]>) -> Option<String> {
+    v.and_then(str_of).map(str::to_owned)
+}
+
 /// An engine block hash: a u64 (never read as signed), or digest bytes folded to 64 bits.
-fn hash(v: Head<'_>) -> Option<EngineBlockHash> {
+/// SGLang and TensorRT-LLM write signed 64-bit integers: there a negative value is the same 64
+/// bits (vLLM never writes one, so there it stays malformed).
+fn hash(dialect: Dialect, v: Head<'_>) -> Option<EngineBlockHash> {
     match v {
         Head::Uint(u) => Some(EngineBlockHash(u)),
+        Head::Neg(i) if dialect != Dialect::Vllm => Some(EngineBlockHash(i as u64)),
         Head::Bin(b) if !b.is_empty() => Some(EngineBlockHash(fold(b))),
         _ => None,
     }
@@ -483,6 +748,7 @@ pub(crate) fn fold(bytes: &[u8]) -> u64 {
 }
 
 fn hashes(
+    dialect: Dialect,
     v: Option<&[u8]>,
     event: &'static str,
     field: &'static str,
@@ -495,7 +761,7 @@ fn hashes(
     let n = capped(n, MAX_BLOCKS_PER_EVENT, "block_hashes")?;
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
-        out.push(hash(rd.head()?).ok_or_else(bad)?);
+        out.push(hash(dialect, rd.head()?).ok_or_else(bad)?);
     }
     Ok(out)
 }
@@ -617,7 +883,8 @@ mod tests {
             Ok(Event::Removed {
                 block_hashes: vec![EngineBlockHash(7)],
                 medium: Some("CPU".into()),
-                group_idx: 0
+                group_idx: 0,
+                locality: None,
             })
         );
         assert_eq!(b.events[2], Ok(Event::AllCleared));
@@ -714,14 +981,19 @@ mod tests {
                 block_hashes: vec![EngineBlockHash(2)],
                 parent: parent.map(EngineBlockHash),
                 token_ids: vec![1, 2, 3, 4],
-                block_size: 4,
+                block_size: Some(4),
                 lora_name: None,
+                lora_id: false,
                 medium: Some("CPU".into()),
+                locality: None,
                 first_extra_keys: keys,
+                cache_salt: None,
+                session_id: None,
                 group_idx,
+                sliding_window: false,
             })
         };
-        let seed_of = |ev: Event| match ev.into_neutral() {
+        let seed_of = |ev: Event| match ev.into_neutral(Dialect::Vllm) {
             Neutral::Event(EngineEvent::Stored(run)) => {
                 assert_eq!((run.medium, run.block_size), (Medium::Offload, Some(4)));
                 run.root_seed
@@ -737,34 +1009,423 @@ mod tests {
         // A continuation carries no namespace of its own, whatever its keys say.
         assert_eq!(seed_of(st(Some(1), vec![tagged.clone()], 0)), None);
         assert_eq!(
-            st(None, vec![tagged], 1).into_neutral(),
+            st(None, vec![tagged], 1).into_neutral(Dialect::Vllm),
             Neutral::OtherGroup
         );
         let rm = |medium: Option<&str>, group_idx| Event::Removed {
             block_hashes: vec![EngineBlockHash(2)],
             medium: medium.map(str::to_owned),
             group_idx,
+            locality: None,
         };
         assert_eq!(
-            rm(Some("GPU"), 0).into_neutral(),
+            rm(Some("GPU"), 0).into_neutral(Dialect::Vllm),
             Neutral::Event(EngineEvent::Removed {
                 engine_hashes: vec![EngineBlockHash(2)],
                 tiers: kv_epp_core::engine_event::TIER_DEVICE
             })
         );
         assert_eq!(
-            rm(Some("CPU"), 0).into_neutral(),
+            rm(Some("CPU"), 0).into_neutral(Dialect::Vllm),
             Neutral::Event(EngineEvent::Removed {
                 engine_hashes: vec![EngineBlockHash(2)],
                 tiers: kv_epp_core::engine_event::TIER_OFFLOAD
             })
         );
-        assert_eq!(rm(None, 2).into_neutral(), Neutral::OtherGroup);
-        assert_eq!(Event::Unknown.into_neutral(), Neutral::Unknown);
+        assert_eq!(rm(None, 2).into_neutral(Dialect::Vllm), Neutral::OtherGroup);
+        assert_eq!(Event::Unknown.into_neutral(Dialect::Vllm), Neutral::Unknown);
         assert_eq!(
-            Event::AllCleared.into_neutral(),
+            Event::AllCleared.into_neutral(Dialect::Vllm),
             Neutral::Event(EngineEvent::Cleared)
         );
+    }
+
+    fn decode_as(payload: &[u8], dialect: Dialect) -> Vec<Result<Event, DecodeError>> {
+        decode_batch_as(payload, dialect).unwrap().events.collect()
+    }
+
+    fn batch_of(events: Vec<Value>) -> Vec<u8> {
+        enc(&Value::Array(vec![
+            Value::F64(1.0),
+            Value::Array(events),
+            Value::Nil,
+        ]))
+    }
+
+    fn map(pairs: Vec<(&str, Value)>) -> Value {
+        Value::Map(pairs.into_iter().map(|(k, v)| (s(k), v)).collect())
+    }
+
+    fn run_of(ev: Result<Event, DecodeError>, dialect: Dialect) -> StoredRun {
+        match ev.unwrap().into_neutral(dialect) {
+            Neutral::Event(EngineEvent::Stored(run)) => run,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn tokens4() -> Value {
+        Value::Array((0..4).map(Value::from).collect())
+    }
+
+    #[test]
+    fn newer_vllm_fields_are_accepted_and_used() {
+        use kv_epp_core::hashing::HashSeed;
+        let stored = |extra: Vec<(&str, Value)>| {
+            let mut f = vec![
+                ("type", s("BlockStored")),
+                ("block_hashes", Value::Array(vec![Value::from(1)])),
+                ("parent_block_hash", Value::Nil),
+                ("token_ids", tokens4()),
+                ("block_size", Value::from(4)),
+                ("lora_id", Value::Nil),
+                ("medium", s("GPU")),
+                ("lora_name", Value::Nil),
+            ];
+            f.extend(extra);
+            map(f)
+        };
+        let events = vec![
+            // Every newer field, ownership of a shape nobody promised.
+            stored(vec![
+                ("kv_cache_spec_kind", s("full_attention")),
+                ("locality", s("LOCAL")),
+                ("ownership", Value::Array(vec![Value::from(1)])),
+                ("session_id", s("sess-1")),
+                ("lookahead_token_ids", Value::Nil),
+            ]),
+            // A block the publisher calls REMOTE is not this worker's device cache.
+            stored(vec![("locality", s("REMOTE"))]),
+            // A sliding-window group's blocks are not whole prefixes.
+            stored(vec![("kv_cache_spec_sliding_window", Value::from(128))]),
+            // An offload connector without block_size (vLLM #36644).
+            map(vec![
+                ("type", s("BlockStored")),
+                ("block_hashes", Value::Array(vec![Value::from(2)])),
+                ("parent_block_hash", Value::Nil),
+                ("token_ids", tokens4()),
+                ("lora_id", Value::Nil),
+                ("medium", s("CPU")),
+                ("lora_name", Value::Nil),
+            ]),
+            map(vec![
+                ("type", s("BlockRemoved")),
+                ("block_hashes", Value::Array(vec![Value::from(1)])),
+                ("medium", s("GPU")),
+                ("locality", s("REMOTE")),
+                ("ownership", s("connector-x")),
+            ]),
+        ];
+        let evs = decode_as(&batch_of(events), Dialect::Vllm);
+        let mut evs = evs.into_iter();
+        let first = run_of(evs.next().unwrap(), Dialect::Vllm);
+        assert_eq!(
+            (first.medium, first.session_id.as_deref(), first.root_seed),
+            (Medium::Device, Some("sess-1"), Some(HashSeed::UNSALTED))
+        );
+        assert_eq!(
+            run_of(evs.next().unwrap(), Dialect::Vllm).medium,
+            Medium::Offload
+        );
+        assert_eq!(
+            evs.next().unwrap().unwrap().into_neutral(Dialect::Vllm),
+            Neutral::OtherGroup
+        );
+        let offload = run_of(evs.next().unwrap(), Dialect::Vllm);
+        assert_eq!(
+            (offload.medium, offload.block_size),
+            (Medium::Offload, None)
+        );
+        assert_eq!(
+            evs.next().unwrap().unwrap().into_neutral(Dialect::Vllm),
+            Neutral::Event(EngineEvent::Removed {
+                engine_hashes: vec![EngineBlockHash(1)],
+                tiers: kv_epp_core::engine_event::TIER_OFFLOAD
+            })
+        );
+        // The legacy array layout carries the same fields by position.
+        let mut legacy = vec![
+            s("BlockStored"),
+            Value::Array(vec![Value::from(3)]),
+            Value::Nil,
+            tokens4(),
+            Value::from(4),
+            Value::Nil,
+            s("GPU"),
+            Value::Nil,
+            Value::Nil,
+            Value::from(0),
+            s("full_attention"),
+            Value::Nil,
+            s("REMOTE"),
+            Value::from(5),
+            s("sess-2"),
+        ];
+        let run = run_of(
+            decode_as(&batch_of(vec![Value::Array(legacy.clone())]), Dialect::Vllm).remove(0),
+            Dialect::Vllm,
+        );
+        assert_eq!(
+            (run.medium, run.session_id.as_deref()),
+            (Medium::Offload, Some("sess-2"))
+        );
+        // An over-long session id is metadata dropped, never a dropped store.
+        legacy[14] = s(&"x".repeat(MAX_SESSION_ID_BYTES + 1));
+        let run = run_of(
+            decode_as(&batch_of(vec![Value::Array(legacy)]), Dialect::Vllm).remove(0),
+            Dialect::Vllm,
+        );
+        assert_eq!(run.session_id, None);
+    }
+
+    /// SGLang's salted store in both encodings, and its unsalted store, with `salt` forwarded by
+    /// kv-epp (`kvepp:t`).
+    fn sglang_events(salt: &str) -> Vec<Value> {
+        let positional = |hash: u64, meta: Option<Value>| {
+            let mut a = vec![
+                s("BlockStored"),
+                Value::Array(vec![Value::from(hash)]),
+                Value::Nil,
+                tokens4(),
+                Value::from(4),
+                Value::Nil,
+                s("GPU"),
+            ];
+            a.extend(meta);
+            Value::Array(a)
+        };
+        vec![
+            positional(1, Some(map(vec![("cache_salt", s(salt))]))),
+            positional(2, None),
+            map(vec![
+                ("type", s("BlockStored")),
+                ("block_hashes", Value::Array(vec![Value::from(3)])),
+                ("parent_block_hash", Value::Nil),
+                ("token_ids", tokens4()),
+                ("block_size", Value::from(4)),
+                ("lora_id", Value::Nil),
+                ("medium", s("CPU_PINNED")),
+                ("cache_salt", s(salt)),
+                ("session_id", s("agent-7")),
+            ]),
+            map(vec![
+                ("type", s("BlockStored")),
+                ("block_hashes", Value::Array(vec![Value::from(4)])),
+                ("parent_block_hash", Value::Nil),
+                ("token_ids", tokens4()),
+                ("block_size", Value::from(4)),
+                ("lora_id", Value::Nil),
+                ("medium", s("GPU")),
+                (
+                    "metadata",
+                    map(vec![("cache_salt", s(salt)), ("session_id", s("a"))]),
+                ),
+            ]),
+            Value::Array(vec![
+                s("BlockRemoved"),
+                Value::Array(vec![Value::from(3)]),
+                s("DISK"),
+            ]),
+        ]
+    }
+
+    #[test]
+    fn sglang_salts_in_both_encodings_mixed_in_one_batch() {
+        use kv_epp_core::hashing::HashSeed;
+        let t = HashSeed::new(None, Some("t"));
+        let evs = decode_as(&batch_of(sglang_events("kvepp:t")), Dialect::Sglang);
+        let seeds: Vec<_> = evs[..4]
+            .iter()
+            .map(|e| run_of(e.clone(), Dialect::Sglang).root_seed)
+            .collect();
+        assert_eq!(
+            seeds,
+            vec![Some(t), Some(HashSeed::UNSALTED), Some(t), Some(t)]
+        );
+        let third = run_of(evs[2].clone(), Dialect::Sglang);
+        assert_eq!(
+            (third.medium, third.session_id.as_deref()),
+            (Medium::Offload, Some("agent-7"))
+        );
+        assert_eq!(
+            evs[4].clone().unwrap().into_neutral(Dialect::Sglang),
+            Neutral::Event(EngineEvent::Removed {
+                engine_hashes: vec![EngineBlockHash(3)],
+                tiers: kv_epp_core::engine_event::TIER_OFFLOAD
+            })
+        );
+        // A salt kv-epp did not forward, or an adapter known by id only: never trusted.
+        let raw = decode_as(&batch_of(sglang_events("tenant-a")), Dialect::Sglang);
+        assert_eq!(run_of(raw[0].clone(), Dialect::Sglang).root_seed, None);
+        assert_eq!(run_of(raw[2].clone(), Dialect::Sglang).root_seed, None);
+        // An empty salt is no salt, as SGLang reads it.
+        let empty = decode_as(&batch_of(sglang_events("")), Dialect::Sglang);
+        assert_eq!(
+            run_of(empty[0].clone(), Dialect::Sglang).root_seed,
+            Some(HashSeed::UNSALTED)
+        );
+        let Value::Array(mut with_lora) = sglang_events("kvepp:t").remove(0) else {
+            unreachable!()
+        };
+        with_lora[5] = Value::from(3);
+        let ev = decode_as(&batch_of(vec![Value::Array(with_lora)]), Dialect::Sglang).remove(0);
+        assert_eq!(run_of(ev, Dialect::Sglang).root_seed, None);
+        // Read as vLLM, SGLang's trailing metadata map is a malformed `lora_name`: dropped.
+        let as_vllm = decode_as(&batch_of(sglang_events("kvepp:t")), Dialect::Vllm);
+        assert!(matches!(
+            as_vllm[0],
+            Err(DecodeError::Field {
+                field: "lora_name",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn sglang_hostile_salts_are_dropped_not_guessed() {
+        let both = map(vec![
+            ("type", s("BlockStored")),
+            ("block_hashes", Value::Array(vec![Value::from(1)])),
+            ("token_ids", tokens4()),
+            ("block_size", Value::from(4)),
+            ("cache_salt", s("kvepp:a")),
+            ("metadata", map(vec![("cache_salt", s("kvepp:b"))])),
+        ]);
+        let not_a_string = map(vec![
+            ("type", s("BlockStored")),
+            ("block_hashes", Value::Array(vec![Value::from(1)])),
+            ("token_ids", tokens4()),
+            ("block_size", Value::from(4)),
+            ("cache_salt", Value::from(7)),
+        ]);
+        let meta_not_a_map = Value::Array(vec![
+            s("BlockStored"),
+            Value::Array(vec![Value::from(1)]),
+            Value::Nil,
+            tokens4(),
+            Value::from(4),
+            Value::Nil,
+            s("GPU"),
+            s("kvepp:a"),
+        ]);
+        let evs = decode_as(
+            &batch_of(vec![
+                both,
+                not_a_string,
+                meta_not_a_map,
+                Value::Array(vec![s("AllBlocksCleared")]),
+            ]),
+            Dialect::Sglang,
+        );
+        assert!(matches!(
+            evs[0],
+            Err(DecodeError::Field {
+                field: "cache_salt",
+                ..
+            })
+        ));
+        assert!(matches!(
+            evs[1],
+            Err(DecodeError::Field {
+                field: "cache_salt",
+                ..
+            })
+        ));
+        assert!(matches!(
+            evs[2],
+            Err(DecodeError::Field {
+                field: "metadata",
+                ..
+            })
+        ));
+        assert_eq!(evs[3], Ok(Event::AllCleared));
+    }
+
+    #[test]
+    fn trtllm_signed_hashes_and_one_salt_per_event() {
+        use kv_epp_core::hashing::HashSeed;
+        let stored = |keys: Value| {
+            map(vec![
+                ("type", s("BlockStored")),
+                (
+                    "block_hashes",
+                    Value::Array(vec![Value::from(-5), Value::from(6)]),
+                ),
+                ("parent_block_hash", Value::from(i64::MIN)),
+                ("token_ids", Value::Array((0..8).map(Value::from).collect())),
+                ("block_size", Value::from(4)),
+                ("lora_id", Value::Nil),
+                ("medium", s("GPU")),
+                ("lora_name", Value::Nil),
+                ("extra_keys", keys),
+            ])
+        };
+        let salted = |salt: &str| Value::Array(vec![s(salt)]);
+        let evs = decode_as(
+            &batch_of(vec![
+                stored(Value::Nil),
+                stored(Value::Array(vec![Value::Nil, salted("kvepp:t")])),
+                stored(Value::Array(vec![salted("kvepp:t"), salted("kvepp:t")])),
+                stored(Value::Array(vec![salted("kvepp:t"), salted("kvepp:u")])),
+            ]),
+            Dialect::Trtllm,
+        );
+        let run = run_of(evs[0].clone(), Dialect::Trtllm);
+        assert_eq!(
+            (run.engine_hashes.clone(), run.parent),
+            (
+                vec![EngineBlockHash(-5i64 as u64), EngineBlockHash(6)],
+                Some(EngineBlockHash(i64::MIN as u64))
+            )
+        );
+        // A continuation (it has a parent) inherits; as a start each would take the one salt.
+        let mut first = evs[1].clone().unwrap();
+        if let Event::Stored(st) = &mut first {
+            st.parent = None;
+        }
+        assert_eq!(
+            run_of(Ok(first), Dialect::Trtllm).root_seed,
+            Some(HashSeed::new(None, Some("t")))
+        );
+        assert!(evs[2].is_ok());
+        assert!(matches!(
+            evs[3],
+            Err(DecodeError::Field {
+                field: "extra_keys",
+                ..
+            })
+        ));
+        // vLLM never writes negative hashes: read as vLLM they stay malformed.
+        assert!(decode_as(&batch_of(vec![stored(Value::Nil)]), Dialect::Vllm)[0].is_err());
+    }
+
+    #[test]
+    fn trtllm_extra_keys_are_capped_over_all_blocks() {
+        // Two blocks of 3,000 nil keys each: under the cap per block, over it together.
+        let keys = |n: usize| Value::Array(vec![Value::Nil; n]);
+        let ev = |per_block: usize| {
+            map(vec![
+                ("type", s("BlockStored")),
+                (
+                    "block_hashes",
+                    Value::Array(vec![Value::from(1), Value::from(2)]),
+                ),
+                ("token_ids", Value::Array((0..8).map(Value::from).collect())),
+                ("block_size", Value::from(4)),
+                (
+                    "extra_keys",
+                    Value::Array(vec![keys(per_block), keys(per_block)]),
+                ),
+            ])
+        };
+        let evs = decode_as(&batch_of(vec![ev(3_000), ev(2_000)]), Dialect::Trtllm);
+        assert_eq!(
+            evs[0],
+            Err(DecodeError::TooMany {
+                what: "extra_keys",
+                limit: MAX_EXTRA_KEYS
+            })
+        );
+        assert!(evs[1].is_ok());
     }
 
     /// Counts the bytes each thread allocates, so a test can show that a rejected length claim
@@ -1088,6 +1749,8 @@ mod tests {
             "BlockRemoved",
             "AllBlocksCleared",
             "kvepp:t",
+            "cache_salt",
+            "metadata",
         ]
         .into_iter()
         .chain(KEYS)
@@ -1138,18 +1801,28 @@ mod tests {
             cut in any::<prop::sample::Index>(),
             flip in any::<(prop::sample::Index, u8)>(),
         ) {
-            if let Ok(b) = decode_batch(&frame) {
-                let n = b.events.len();
-                prop_assert_eq!(b.events.count(), n);
-            }
-            let cut = cut.index(frame.len());
-            prop_assert!(decode_batch(&frame[..cut]).is_err());
-            let mut corrupted = frame.clone();
-            let at = flip.0.index(corrupted.len());
-            corrupted[at] = flip.1;
-            if let Ok(b) = decode_batch(&corrupted) {
-                for ev in b.events {
-                    drop(ev);
+            // Every engine's dialect reads the same bytes under the same caps.
+            for dialect in [Dialect::Vllm, Dialect::Sglang, Dialect::Trtllm] {
+                if let Ok(b) = decode_batch_as(&frame, dialect) {
+                    let n = b.events.len();
+                    let mut taken = 0;
+                    for ev in b.events {
+                        taken += 1;
+                        if let Ok(ev) = ev {
+                            let _ = ev.into_neutral(dialect);
+                        }
+                    }
+                    prop_assert_eq!(taken, n);
+                }
+                let cut = cut.index(frame.len());
+                prop_assert!(decode_batch_as(&frame[..cut], dialect).is_err());
+                let mut corrupted = frame.clone();
+                let at = flip.0.index(corrupted.len());
+                corrupted[at] = flip.1;
+                if let Ok(b) = decode_batch_as(&corrupted, dialect) {
+                    for ev in b.events {
+                        drop(ev);
+                    }
                 }
             }
         }

@@ -113,6 +113,20 @@ pub enum Phase {
     ResponseBody,
 }
 
+/// A message that only restarts Envoy's message timer (BUFFERED mode) with `timeout`: sent once
+/// when a request starts waiting in flow control's queue. Envoy accepts it once per message and
+/// only up to the filter's `max_message_timeout` (0 by default: refused), so the shipped configs
+/// set that above `flow_control.queue_timeout_ms` + 1 s.
+pub fn override_message_timeout(timeout: std::time::Duration) -> ProcessingResponse {
+    ProcessingResponse {
+        override_message_timeout: Some(envoy_types::pb::google::protobuf::Duration {
+            seconds: i64::try_from(timeout.as_secs()).unwrap_or(i64::MAX),
+            nanos: timeout.subsec_nanos() as i32,
+        }),
+        ..ProcessingResponse::default()
+    }
+}
+
 /// Wraps a common response for a phase, with optional dynamic metadata.
 pub fn common(
     phase: Phase,

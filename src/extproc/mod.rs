@@ -101,6 +101,46 @@ async fn run_stream(
     lanes: DecisionLanes,
 ) {
     loop {
+        if let Some(ticket) = handler.ticket() {
+            // Queued by flow control: wait for capacity (or the queue timeout) while watching the
+            // stream, so a client that goes away leaves the queue at once (dropping the handler
+            // drops its ticket).
+            let waited = tokio::select! {
+                outcome = ticket.wait() => Ok(outcome),
+                next = inbound.message() => Err(next),
+            };
+            match waited {
+                Ok(outcome) => {
+                    for r in handler.on_dispatched(outcome) {
+                        if tx.send(Ok(r)).await.is_err() {
+                            if let Some(kind) = reset_kind(&handler) {
+                                count_error(&metrics, kind);
+                            }
+                            return;
+                        }
+                    }
+                    if handler.is_finished() {
+                        break;
+                    }
+                    continue;
+                }
+                Err(Ok(Some(msg))) => {
+                    // Envoy has nothing to send while a request waits for its decision.
+                    let e = match handler.on_message(msg) {
+                        Err(e) => e.to_string(),
+                        Ok(_) => "message while queued".to_owned(),
+                    };
+                    count_error(&metrics, "protocol");
+                    tracing::warn!(error = %e, "ext_proc protocol error");
+                    let _ = tx.send(Err(Status::invalid_argument(e))).await;
+                    return;
+                }
+                Err(_) => {
+                    count_error(&metrics, "reset_while_queued");
+                    return;
+                }
+            }
+        }
         let next = if handler.decision().is_none() {
             match tokio::time::timeout(limits.idle_before_decision, inbound.message()).await {
                 Ok(next) => next,

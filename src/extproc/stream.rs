@@ -35,7 +35,10 @@ use envoy_types::pb::google::protobuf::value::Kind;
 use super::budget::{BodyBudget, Held};
 use super::messages::{self, DESTINATION, LB_NAMESPACE, Phase};
 use super::usage::UsageScanner;
-use crate::decide::{self, Picker, ROUTED, Reject, RequestParts, Routed, TOKENIZE_FAILED};
+use crate::decide::{
+    self, Decision, Picker, ROUTED, Reject, RequestParts, Routed, TOKENIZE_FAILED,
+};
+use crate::flow::{Admission, FlowControl, Outcome, TenantSlot, Ticket};
 use crate::metrics::Metrics;
 use kv_epp_core::salt::TENANT_HEADER;
 
@@ -50,6 +53,9 @@ pub struct StreamOptions {
     pub conformance_hooks: bool,
     /// The process-wide budget buffered request bodies draw on (503 when exhausted).
     pub body_budget: BodyBudget,
+    /// Flow control: quotas, and the queue a request waits in when no candidate can take it
+    /// (`None`: neither; saturation is answered 429 at once).
+    pub flow: Option<Arc<FlowControl>>,
 }
 
 const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
@@ -98,6 +104,20 @@ enum State {
         /// The body's share of the budget; returned when this state ends, whatever ends it.
         held: Held,
     },
+    /// Waiting in flow control's queue for capacity; the body (and its budget share) is kept to
+    /// be forwarded once routed.
+    Queued {
+        head: RequestHead,
+        body: Option<Vec<u8>>,
+        phase: Phase,
+        body_ends: bool,
+        /// Trailers ended the body: answer them after the decision.
+        trailers: bool,
+        held: Option<Held>,
+        ticket: Ticket,
+        /// The decision's time before it queued (the wait itself is flow control's metric).
+        decided_in: std::time::Duration,
+    },
     Routed {
         /// The booking and a fixed-size summary: never the tokens, hashes or reports.
         decision: Routed,
@@ -123,6 +143,8 @@ pub struct StreamHandler {
     /// Whether Envoy sends response bodies at all (response body mode other than NONE).
     response_body_sent: bool,
     state: State,
+    /// The tenant's in-flight slot (quotas, per-tenant metrics), held until the stream ends.
+    slot: Option<TenantSlot>,
 }
 
 impl StreamHandler {
@@ -136,6 +158,7 @@ impl StreamHandler {
             response_mode: BodyMode::FullDuplex,
             response_body_sent: true,
             state: State::AwaitHeaders,
+            slot: None,
         }
     }
 
@@ -184,7 +207,7 @@ impl StreamHandler {
     /// it returns `None` and the stream just ends (dropping the handler releases the booking).
     pub fn abandon(&mut self, why: &Reject) -> Option<ProcessingResponse> {
         match self.state {
-            State::AwaitHeaders | State::CollectBody { .. } => {
+            State::AwaitHeaders | State::CollectBody { .. } | State::Queued { .. } => {
                 let (next, mut out) = self.refuse(why);
                 self.state = next;
                 out.pop()
@@ -232,17 +255,18 @@ impl StreamHandler {
                 } else {
                     body.extend_from_slice(&b.body);
                     if b.end_of_stream {
-                        // The body moves into the decision; the guard returns its bytes after it.
-                        self.decide(head, body, true)
+                        // The body moves into the decision; the guard returns its bytes after it
+                        // (or after the queue, when the request waits there).
+                        self.decide(head, body, true, held, false)
                     } else {
                         (State::CollectBody { head, body, held }, Vec::new())
                     }
                 }
             }
-            (State::CollectBody { head, body, .. }, Request::RequestTrailers(_)) => {
+            (State::CollectBody { head, body, held }, Request::RequestTrailers(_)) => {
                 // The body ended without an end-of-stream flag: trailers follow it.
-                let (next, mut out) = self.decide(head, body, false);
-                if !matches!(next, State::Finished) {
+                let (next, mut out) = self.decide(head, body, false, held, true);
+                if matches!(next, State::Routed { .. }) {
                     out.push(messages::trailers(true));
                 }
                 (next, out)
@@ -334,6 +358,7 @@ impl StreamHandler {
                 let phase = match state {
                     State::AwaitHeaders => "before request headers",
                     State::CollectBody { .. } => "while collecting the request body",
+                    State::Queued { .. } => "while queued",
                     State::Routed { .. } => "after routing",
                     State::Finished => "after a local reply",
                 };
@@ -352,7 +377,7 @@ impl StreamHandler {
         let head = self.read_head(h.headers.as_ref(), metadata);
         if h.end_of_stream {
             // No body follows: route on load alone, answer now.
-            return self.route_and_answer(head, None, Phase::RequestHeaders, true);
+            return self.route_and_answer(head, None, Phase::RequestHeaders, true, None, false);
         }
         let held = self.opts.body_budget.hold();
         match self.request_mode {
@@ -426,12 +451,14 @@ impl StreamHandler {
         head: RequestHead,
         body: Vec<u8>,
         body_ends: bool,
+        held: Held,
+        trailers: bool,
     ) -> (State, Vec<ProcessingResponse>) {
         let phase = match self.request_mode {
             BodyMode::FullDuplex => Phase::RequestHeaders,
             BodyMode::Buffered => Phase::RequestBody,
         };
-        self.route_and_answer(head, Some(body), phase, body_ends)
+        self.route_and_answer(head, Some(body), phase, body_ends, Some(held), trailers)
     }
 
     /// The edge's whole share of a decision: typed parts in, Envoy messages out.
@@ -441,6 +468,8 @@ impl StreamHandler {
         body: Option<Vec<u8>>,
         phase: Phase,
         body_ends: bool,
+        held: Option<Held>,
+        trailers: bool,
     ) -> (State, Vec<ProcessingResponse>) {
         let started = Instant::now();
         let metrics = self.metrics.clone();
@@ -462,16 +491,127 @@ impl StreamHandler {
             let base = request.model.base.as_deref().unwrap_or("unknown");
             metrics.request(base, TOKENIZE_FAILED);
         }
-        let mut decision = match decide::decide_understood(&self.picker, request, &parts) {
-            Ok(d) => d,
-            Err(reject) => return self.refuse(&reject),
+        if let Some(reason) = request.unrenderable_reason() {
+            // The error text may quote the request (a template's message): never logged.
+            let base = request.model.base.as_deref().unwrap_or("unknown");
+            if metrics.unrenderable(base, reason) {
+                tracing::warn!(
+                    model = base,
+                    reason,
+                    "kv-epp cannot render such requests exactly as the engine would; routing \
+                     them on load alone (logged once per model and reason, counted in \
+                     kv_epp_unrenderable_total; routing.unrenderable: reject refuses them)"
+                );
+            }
+        }
+        let decision = match self.opts.flow.clone() {
+            None => match decide::decide_understood(&self.picker, request, &parts) {
+                Ok(d) => d,
+                Err(reject) => return self.refuse(&reject),
+            },
+            Some(flow) => {
+                let body_bytes = body.as_ref().map_or(0, Vec::len);
+                match flow.admit(request, &parts, body_bytes) {
+                    Admission::Now(d, slot) => {
+                        self.slot = Some(slot);
+                        *d
+                    }
+                    Admission::Refused(reject) => return self.refuse(&reject),
+                    Admission::Queued(ticket) => {
+                        let mut out = Vec::new();
+                        if self.request_mode == BodyMode::Buffered {
+                            // Envoy's message timer (BUFFERED only) would answer 504 while the
+                            // request waits: restart it long enough for the whole wait.
+                            out.push(messages::override_message_timeout(ticket.message_timeout()));
+                        }
+                        let state = State::Queued {
+                            head,
+                            body,
+                            phase,
+                            body_ends,
+                            trailers,
+                            held,
+                            ticket,
+                            decided_in: started.elapsed(),
+                        };
+                        return (state, out);
+                    }
+                }
+            }
         };
+        drop(held);
+        self.answer(head, body, phase, body_ends, decision, started)
+    }
+
+    /// The queued request's ticket, while it waits: the edge awaits it beside the stream.
+    pub fn ticket(&mut self) -> Option<&mut Ticket> {
+        match &mut self.state {
+            State::Queued { ticket, .. } => Some(ticket),
+            _ => None,
+        }
+    }
+
+    /// Answers a queued request with what its dispatch gave: the routing messages, or the
+    /// refusal (timeout, or the decision's own).
+    pub fn on_dispatched(&mut self, outcome: Outcome) -> Vec<ProcessingResponse> {
+        let state = std::mem::replace(&mut self.state, State::Finished);
+        let State::Queued {
+            head,
+            body,
+            phase,
+            body_ends,
+            trailers,
+            held,
+            ticket,
+            decided_in,
+        } = state
+        else {
+            self.state = state;
+            return Vec::new();
+        };
+        drop(ticket);
+        drop(held);
+        let (next, out) = match outcome {
+            Err(reject) => self.refuse(&reject),
+            Ok((decision, slot)) => {
+                self.slot = Some(slot);
+                let started = Instant::now()
+                    .checked_sub(decided_in)
+                    .unwrap_or_else(Instant::now);
+                let (next, mut out) = self.answer(head, body, phase, body_ends, decision, started);
+                if trailers {
+                    out.push(messages::trailers(true));
+                }
+                (next, out)
+            }
+        };
+        self.state = next;
+        out
+    }
+
+    /// The routing messages of a decision, and the stream's state after it.
+    fn answer(
+        &mut self,
+        head: RequestHead,
+        body: Option<Vec<u8>>,
+        phase: Phase,
+        body_ends: bool,
+        mut decision: Decision,
+        started: Instant,
+    ) -> (State, Vec<ProcessingResponse>) {
+        let metrics = self.metrics.clone();
         let label_model = decision.model_label().to_owned();
         metrics
             .decision_seconds
             .observe(started.elapsed().as_secs_f64());
         metrics.request(&label_model, ROUTED);
         let labels = Metrics::labels(&[("model", &label_model)]);
+        if !self.picker.policy.salted_events && decision.request.salt.is_some() {
+            metrics
+                .unisolated_salted_requests
+                .get_or_create(&labels)
+                .inc();
+        }
         metrics
             .prompt_blocks
             .get_or_create(&labels)

@@ -4,7 +4,7 @@
 //! Service lists every replica, ready or not), or Kubernetes EndpointSlices of `peers.service`.
 //! Every probe interval each address gets a `Hello`; the reply says which instance answers
 //! there (this replica recognises itself and skips its own address) and whether it is ready. A
-//! peer that has not answered for three intervals is gone: it owns nothing any more.
+//! peer that has not answered for four intervals (a probe waits one) is gone: it owns nothing any more.
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -37,6 +37,10 @@ pub struct Member {
     pub polling: Vec<String>,
     /// The relay sequence of its next own batch.
     pub relay_next: u64,
+    /// Its claims on single-reader sources.
+    pub claims: Vec<pb::Claim>,
+    /// Sources it drained beyond the cut their new owner declared.
+    pub diverged: Vec<String>,
 }
 
 /// The peer table.
@@ -49,6 +53,11 @@ pub struct Members {
     own_addrs: Mutex<HashSet<SocketAddr>>,
     channels: Mutex<HashMap<SocketAddr, Channel>>,
     rounds: AtomicU64,
+    /// When the last completed probe round started: leases run from there.
+    last_round: Mutex<Option<Instant>>,
+    /// Addresses whose replica refused this replica's token, and when it last did.
+    refused: Mutex<HashMap<SocketAddr, Instant>>,
+    lease: Duration,
     stale_after: Duration,
     max_message: usize,
     tls: Option<PeerTls>,
@@ -66,7 +75,10 @@ impl Members {
             own_addrs: Mutex::new(HashSet::new()),
             channels: Mutex::new(HashMap::new()),
             rounds: AtomicU64::new(0),
-            stale_after: Duration::from_millis(config.probe_interval_ms * 3),
+            last_round: Mutex::new(None),
+            refused: Mutex::new(HashMap::new()),
+            lease: Duration::from_millis(config.probe_interval_ms * 5 / 2),
+            stale_after: Duration::from_millis(config.probe_interval_ms * 4),
             max_message: config.max_message_bytes,
             tls,
         }
@@ -90,6 +102,36 @@ impl Members {
             .collect();
         v.sort_by_key(|m| m.addr);
         v
+    }
+
+    /// Addresses whose replica refused this replica's token within the last four probe
+    /// intervals: present, but not trusted (and they do not trust us).
+    pub fn refused(&self) -> Vec<SocketAddr> {
+        let now = Instant::now();
+        let mut v: Vec<SocketAddr> = self
+            .refused
+            .lock()
+            .iter()
+            .filter(|(_, t)| now.duration_since(**t) <= self.stale_after)
+            .map(|(a, _)| *a)
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// This replica's token is refused by a peer and accepted by none: it must not serve or own
+    /// anything (it cannot tell who else drains or what they relay).
+    pub fn token_refused(&self) -> bool {
+        !self.refused().is_empty() && self.view().is_empty()
+    }
+
+    /// Until when a lease confirmed by the last completed probe round holds (the past if no
+    /// round has completed).
+    pub(crate) fn lease_until(&self) -> Instant {
+        match *self.last_round.lock() {
+            Some(t) => t + self.lease,
+            None => Instant::now(),
+        }
     }
 
     /// Instances of the ready peers.
@@ -187,8 +229,8 @@ impl Members {
 /// A request carrying the peer token.
 pub(crate) fn authed<T>(state: &ReplicaState, msg: T) -> tonic::Request<T> {
     let mut req = tonic::Request::new(msg);
-    if let Some(t) = state.token() {
-        req.metadata_mut().insert("authorization", t.clone());
+    if let Some(h) = state.token().and_then(|t| t.header()) {
+        req.metadata_mut().insert("authorization", h);
     }
     req
 }
@@ -198,15 +240,19 @@ pub(crate) async fn probe_loop(state: Arc<ReplicaState>) {
     let interval = state.probe_interval();
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut was_refused = false;
     loop {
         tick.tick().await;
+        let round_start = Instant::now();
         let addrs = state.members.addresses().await;
         let probes = addrs.iter().map(|&addr| {
             let state = state.clone();
             async move {
                 let mut client = state.members.client(addr);
                 let req = authed(&state, pb::HelloRequest {});
-                let r = tokio::time::timeout(interval * 2, client.hello(req)).await;
+                // One interval: a round ends within it even when a peer hangs (a paused
+                // process accepts connections and answers nothing), so leases keep renewing.
+                let r = tokio::time::timeout(interval, client.hello(req)).await;
                 (addr, r)
             }
         });
@@ -224,6 +270,24 @@ pub(crate) async fn probe_loop(state: Arc<ReplicaState>) {
                         table.remove(&addr);
                         continue;
                     }
+                    if m.refused.lock().remove(&addr).is_some() {
+                        tracing::info!(peer = %addr, "peer accepts our token again");
+                    }
+                    let fences = reply.fences.iter().filter(|f| f.owner != 0);
+                    for c in reply.claims.iter().chain(fences) {
+                        if let Ok(w) = c.worker.parse() {
+                            let prev = (c.prev_origin != 0).then_some((c.prev_origin, c.prev_seq));
+                            let owner = if c.owner == 0 {
+                                reply.instance
+                            } else {
+                                c.owner
+                            };
+                            state
+                                .hub
+                                .fencing
+                                .observe_claim(w, owner, c.epoch, c.active, prev);
+                        }
+                    }
                     let prev = table.insert(
                         addr,
                         Member {
@@ -233,6 +297,8 @@ pub(crate) async fn probe_loop(state: Arc<ReplicaState>) {
                             last_ok: now,
                             polling: reply.polling,
                             relay_next: reply.relay_next,
+                            claims: reply.claims,
+                            diverged: reply.diverged,
                         },
                     );
                     if prev.as_ref().map(|p| (p.instance, p.ready))
@@ -242,15 +308,51 @@ pub(crate) async fn probe_loop(state: Arc<ReplicaState>) {
                     }
                 }
                 Ok(Err(status)) if status.code() == tonic::Code::Unauthenticated => {
-                    tracing::warn!(peer = %addr, "peer refused our token");
+                    // Present, not absent: a refused peer may be draining what we would own.
+                    table.remove(&addr);
+                    state.metrics.replica_refused_by_peers.inc();
+                    if m.refused.lock().insert(addr, now).is_none() {
+                        tracing::warn!(peer = %addr, "peer refused our token (peers.token_file differs): this replica owns no drain and is not ready while no peer accepts it");
+                    }
                 }
                 _ => {}
             }
         }
+        let g = &state.metrics.replica_peers;
         let ready = table.values().filter(|p| p.ready).count() as i64;
         let starting = table.len() as i64 - ready;
         drop(table);
-        let g = &state.metrics.replica_peers;
+        m.refused.lock().retain(|a, _| addrs.contains(a));
+        *m.last_round.lock() = Some(round_start);
+        // Leases of claims this replica still holds run from this round's start: it saw every
+        // peer's claims after that instant (a round that began before a pause confirms nothing).
+        let until = round_start + m.lease;
+        let view = m.view();
+        for (w, c) in state.hub.fencing.claims() {
+            let name = w.to_string();
+            let outranked = view.iter().any(|p| {
+                p.claims.iter().any(|pc| {
+                    pc.worker == name && (pc.active || (pc.epoch, p.instance) > (c.epoch, m.own))
+                })
+            });
+            if c.active && !outranked && state.owner_of(&w) == Some(state.instance) {
+                state.hub.fencing.renew(&w, until);
+            }
+        }
+        // Batches of ours a later owner cut off, that we drained: we hold events nobody else
+        // applied, until that owner's clear arrives.
+        for (w, cut) in state.hub.fencing.cut_off() {
+            if state.hub.originated_from(&w, cut) && state.hub.fencing.flag_diverged_once(w, cut) {
+                tracing::warn!(worker = %w, "this replica drained events its peers refused (it was paused or cut off while it owned the worker): asking the owner to clear it");
+            }
+        }
+        let refused = m.token_refused();
+        if refused != was_refused {
+            was_refused = refused;
+            state.set_token_refused(refused);
+        }
+        g.get_or_create(&Metrics::labels(&[("state", "refused")]))
+            .set(m.refused().len() as i64);
         g.get_or_create(&Metrics::labels(&[("state", "ready")]))
             .set(ready);
         g.get_or_create(&Metrics::labels(&[("state", "starting")]))

@@ -12,6 +12,7 @@
 //!   `Hello`; the API is token-authenticated and size-limited ([`service`]), and speaks mutual
 //!   TLS when `peers.cert_path` is set (`crate::tls`, on both the server and the client side).
 
+pub mod fence;
 pub mod members;
 pub mod relay;
 pub mod service;
@@ -32,6 +33,8 @@ use std::time::{Duration, Instant};
 use prometheus_client::metrics::counter::Counter;
 use serde::{Deserialize, Serialize};
 use tonic::metadata::MetadataValue;
+
+use crate::auth::TokenFile;
 
 use crate::events::Feeds;
 use crate::metrics::Metrics;
@@ -76,7 +79,7 @@ pub struct PeersConfig {
     /// How long a starting replica waits for a ready peer to bootstrap from before it starts
     /// with an empty index.
     pub bootstrap_timeout_ms: u64,
-    /// How often peers are probed; a peer that missed three probes is not ready.
+    /// How often peers are probed; a peer that answered none of the last four probes is gone.
     pub probe_interval_ms: u64,
     /// Largest peer API message accepted or sent.
     pub max_message_bytes: usize,
@@ -124,8 +127,52 @@ pub struct PeerTls {
     pub(crate) name: tokio_rustls::rustls::pki_types::ServerName<'static>,
 }
 
+/// The shared peer token: fixed (tests, benches), or a file followed as it rotates (one token
+/// per line, any accepted, the first presented; see [`TokenFile`]).
+#[derive(Debug, Clone)]
+pub enum PeerToken {
+    /// One token that never changes.
+    Fixed(String),
+    /// `peers.token_file`.
+    File(Arc<TokenFile>),
+}
+
+impl From<&str> for PeerToken {
+    fn from(t: &str) -> Self {
+        PeerToken::Fixed(t.to_owned())
+    }
+}
+
+impl PeerToken {
+    /// Whether `presented` (the token, without `Bearer `) is accepted; constant time.
+    pub fn accepts(&self, presented: &str) -> bool {
+        match self {
+            PeerToken::Fixed(t) => {
+                crate::auth::constant_time_eq(presented.as_bytes(), t.as_bytes())
+            }
+            PeerToken::File(f) => f.matches(presented),
+        }
+    }
+
+    /// The token this replica presents.
+    pub fn current(&self) -> String {
+        match self {
+            PeerToken::Fixed(t) => t.clone(),
+            PeerToken::File(f) => f.current(),
+        }
+    }
+
+    /// The `authorization` value this replica presents, or `None` if the token cannot be sent
+    /// as a header (a fixed token with spaces or control bytes; token files refuse those).
+    pub(crate) fn header(&self) -> Option<MetadataValue<tonic::metadata::Ascii>> {
+        format!("Bearer {}", self.current()).parse().ok()
+    }
+}
+
 /// Readiness condition name of the bootstrap.
 pub(crate) const BOOTSTRAP: &str = "bootstrap";
+/// Readiness condition name of the peer token check.
+pub(crate) const PEER_TOKEN: &str = "peer_token";
 
 /// Counters of the replica machinery: Prometheus counters (`kv_epp_replica_*`), also shown by
 /// `/debug/replica`.
@@ -158,6 +205,8 @@ pub struct ReplicaState {
     pub instance: u64,
     /// The index is complete: bootstrapped, or started empty on purpose.
     ready: AtomicBool,
+    /// Peers refuse this replica's token and none accepts it.
+    token_refused: AtomicBool,
     /// The live workers, whose indexes are replicated.
     pub workers: Arc<Workers>,
     /// Where replication is counted.
@@ -166,8 +215,8 @@ pub struct ReplicaState {
     pub feeds: Arc<Feeds>,
     /// Settings.
     pub config: PeersConfig,
-    /// `Bearer <token>`, when a token is configured.
-    token: Option<MetadataValue<tonic::metadata::Ascii>>,
+    /// The shared peer token, when one is configured.
+    token: Option<PeerToken>,
     /// Mutual TLS on the peer API, server and client side, when configured.
     pub(crate) tls: Option<PeerTls>,
     /// Known peers.
@@ -189,7 +238,7 @@ impl ReplicaState {
         metrics: Arc<Metrics>,
         feeds: Arc<Feeds>,
         config: PeersConfig,
-        token: Option<String>,
+        token: Option<PeerToken>,
         tls: Option<PeerTls>,
         readiness: Readiness,
     ) -> Result<Arc<ReplicaState>, String> {
@@ -200,14 +249,10 @@ impl ReplicaState {
             }
         };
         let token = match token {
-            Some(t) if t.trim().is_empty() => {
-                return Err("the peer token file is empty".into());
+            Some(t) if t.header().is_none() || t.current().is_empty() => {
+                return Err("the peer token must be printable ASCII without spaces".into());
             }
-            Some(t) => Some(
-                format!("Bearer {}", t.trim())
-                    .parse()
-                    .map_err(|_| "the peer token must be printable ASCII".to_string())?,
-            ),
+            Some(t) => Some(t),
             None => {
                 tracing::warn!(
                     "no peer token configured (peers.insecure_allow_anonymous): the peer API accepts unauthenticated calls"
@@ -231,6 +276,7 @@ impl ReplicaState {
         Ok(Arc::new(ReplicaState {
             instance,
             ready: AtomicBool::new(false),
+            token_refused: AtomicBool::new(false),
             workers,
             metrics,
             feeds,
@@ -245,19 +291,49 @@ impl ReplicaState {
         }))
     }
 
-    /// Whether this replica's index is complete.
+    /// Whether this replica's index is complete and its peers accept it: only then does it
+    /// serve, own single-reader sources, or count as ready to its peers.
     pub fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::Acquire)
+        self.ready.load(Ordering::Acquire) && !self.token_refused.load(Ordering::Acquire)
+    }
+
+    /// Whether peers refuse this replica's token and none accepts it.
+    pub fn is_token_refused(&self) -> bool {
+        self.token_refused.load(Ordering::Acquire)
     }
 
     fn set_ready(&self) {
         self.ready.store(true, Ordering::Release);
-        self.metrics.replica_ready.set(1);
+        self.update_ready_gauge();
         self.readiness.set(BOOTSTRAP, true, "");
     }
 
-    /// The metadata value peers must present, if a token is configured.
-    pub fn token(&self) -> Option<&MetadataValue<tonic::metadata::Ascii>> {
+    fn update_ready_gauge(&self) {
+        self.metrics.replica_ready.set(i64::from(self.is_ready()));
+    }
+
+    /// Records whether peers refuse this replica's token (and none accepts it); logged once per
+    /// change, held in the readiness condition `peer_token`.
+    pub(crate) fn set_token_refused(&self, refused: bool) {
+        self.token_refused.store(refused, Ordering::Release);
+        if refused {
+            tracing::error!(
+                "every peer that answers refuses this replica's token: not ready, and owning no single-reader source, until peers.token_file matches theirs"
+            );
+            self.readiness.set(
+                PEER_TOKEN,
+                false,
+                "peers refuse this replica's token (peers.token_file)",
+            );
+        } else {
+            tracing::info!("peers accept this replica's token again");
+            self.readiness.set(PEER_TOKEN, true, "");
+        }
+        self.update_ready_gauge();
+    }
+
+    /// The peer token, if one is configured.
+    pub fn token(&self) -> Option<&PeerToken> {
         self.token.as_ref()
     }
 
@@ -370,7 +446,11 @@ async fn bootstrap(state: &Arc<ReplicaState>) {
         let reachable: Vec<u64> = view.iter().map(|p| p.instance).collect();
         let why = if now >= deadline {
             Some("no ready peer before peers.bootstrap_timeout_ms; starting with an empty index")
-        } else if now >= settle && reachable.is_empty() && view_settled(state) {
+        } else if now >= settle
+            && reachable.is_empty()
+            && state.members.refused().is_empty()
+            && view_settled(state)
+        {
             Some("no peer reachable: first replica, starting with an empty index")
         } else if now >= settle
             && !reachable.is_empty()

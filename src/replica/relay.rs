@@ -27,7 +27,6 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -35,6 +34,7 @@ use prost::Message;
 use tokio::sync::watch;
 
 use super::ReplicaState;
+use super::fence::{Fencing, Ticket};
 use super::members::authed;
 use super::pb;
 use crate::events::trtllm::EventSink;
@@ -61,6 +61,8 @@ pub struct RelayCounters {
     pub unplaced: Counter,
     /// Batches of vanished origins obtained from surviving peers.
     pub caught_up: Counter,
+    /// Relayed (or own) batches refused: drained under a superseded ownership epoch.
+    pub fenced: Counter,
 }
 
 impl RelayCounters {
@@ -77,12 +79,17 @@ impl RelayCounters {
             resets: kind("reset"),
             unplaced: kind("unplaced"),
             caught_up: kind("caught_up"),
+            fenced: kind("fenced"),
         }
     }
 }
 
 /// Batches kept per other origin for survivors' catch-up.
 const RELAYED_TAIL: usize = 1024;
+/// Most batches one catch-up answer carries (and a catch-up reads from one peer).
+pub(crate) const CATCH_UP_MAX: usize = 4096;
+/// How long one catch-up pass may take over all peers.
+const CATCH_UP_DEADLINE: Duration = Duration::from_secs(3);
 /// Other origins whose tails are kept.
 const RELAYED_ORIGINS: usize = 16;
 
@@ -115,6 +122,8 @@ pub struct RelayHub {
     pub counters: RelayCounters,
     /// The replica's engine-event counters (shared with its feeds), counted by the writer.
     events: Arc<EventCounters>,
+    /// Ownership claims, leases and fences of single-reader sources.
+    pub(crate) fencing: Fencing,
 }
 
 /// Where a relayed batch ended up.
@@ -159,6 +168,7 @@ impl RelayHub {
             tail: watch::channel(0).0,
             counters,
             events,
+            fencing: Fencing::new(instance),
         }
     }
 
@@ -194,16 +204,30 @@ impl RelayHub {
 
     /// Applies one drain of a source this replica owns and appends it to the log (split into
     /// batches that fit a peer message).
-    pub(crate) fn originate(&self, worker: &WorkerId, events: Vec<EngineEvent>) {
+    pub(crate) fn originate(&self, worker: &WorkerId, ticket: Ticket, events: Vec<EngineEvent>) {
         let Some((model, index)) = self.workers.worker_index(worker) else {
             self.counters.unplaced.inc();
             return;
         };
         let mut st = self.state.lock();
+        // A drain that began just before this replica learned of a successor: every peer refuses
+        // it, so this replica does too (the events are lost, but everywhere alike).
+        if !self
+            .fencing
+            .accept_batch(*worker, self.instance, st.next_seq, ticket)
+        {
+            drop(st);
+            self.counters.fenced.inc();
+            tracing::warn!(%worker, epoch = ticket.epoch, "a drain under a superseded ownership epoch was dropped");
+            return;
+        }
         for ev in &events {
             if let Err(e) = engine_event::apply(&index, worker, ev, &self.events) {
                 tracing::debug!(%worker, error = %e, "owned KV event not applied");
             }
+        }
+        if events.iter().any(|e| matches!(e, EngineEvent::Cleared)) {
+            self.fencing.set_diverged(*worker, false);
         }
         for events in split(events, self.max_batch_bytes) {
             let batch = pb::RelayBatch {
@@ -215,6 +239,9 @@ impl RelayHub {
                 dp_rank: worker.dp_rank,
                 events,
                 keepalive: false,
+                epoch: ticket.epoch,
+                prev_origin: ticket.prev.map_or(0, |p| p.0),
+                prev_seq: ticket.prev.map_or(0, |p| p.1),
             };
             st.log_bytes += batch.encoded_len();
             st.log.push_back(Arc::new(batch));
@@ -240,6 +267,22 @@ impl RelayHub {
             .unwrap_or_default()
     }
 
+    /// The batches of `origin` this replica holds from `from` on, at most `max`: its own log
+    /// when `origin` is this replica, else the tail it applied (a catch-up answer: finite).
+    pub(crate) fn read_for_catch_up(
+        &self,
+        origin: u64,
+        from: u64,
+        max: usize,
+    ) -> Vec<Arc<pb::RelayBatch>> {
+        if origin == self.instance {
+            return self.read_from(from, max).0;
+        }
+        let mut v = self.read_origin(origin, from);
+        v.truncate(max);
+        v
+    }
+
     /// Up to `max` logged batches from `from` on, and the sequence of the oldest kept.
     pub(crate) fn read_from(&self, from: u64, max: usize) -> (Vec<Arc<pb::RelayBatch>>, u64) {
         let st = self.state.lock();
@@ -247,6 +290,28 @@ impl RelayHub {
         let skip = from.saturating_sub(oldest) as usize;
         let out = st.log.iter().skip(skip).take(max).cloned().collect();
         (out, oldest)
+    }
+
+    /// Whether this replica's log holds a batch of its own for `worker` at or beyond `seq`.
+    pub(crate) fn originated_from(&self, worker: &WorkerId, seq: u64) -> bool {
+        let (endpoint, rank) = (worker.endpoint.to_string(), worker.dp_rank);
+        self.state
+            .lock()
+            .log
+            .iter()
+            .rev()
+            .take_while(|b| b.seq >= seq)
+            .any(|b| b.endpoint == endpoint && b.dp_rank == rank)
+    }
+
+    /// The sources `origin` relayed to this replica.
+    pub(crate) fn origin_workers(&self, origin: u64) -> HashSet<WorkerId> {
+        self.state
+            .lock()
+            .origin_workers
+            .get(&origin)
+            .cloned()
+            .unwrap_or_default()
     }
 
     /// The sequence of the next batch this replica will originate.
@@ -293,12 +358,31 @@ impl RelayHub {
             Applied::AfterReset
         };
         st.positions.insert(b.origin, b.seq.saturating_add(1));
-        match self.place(b) {
+        let placed = self.place(b);
+        if let Some((worker, _)) = &placed {
+            let ticket = Ticket {
+                epoch: b.epoch,
+                prev: (b.prev_origin != 0).then_some((b.prev_origin, b.prev_seq)),
+            };
+            if !self.fencing.accept_batch(*worker, b.origin, b.seq, ticket) {
+                drop(st);
+                self.counters.fenced.inc();
+                tracing::debug!(%worker, epoch = b.epoch, "relayed batch of a superseded ownership epoch refused");
+                return outcome;
+            }
+        }
+        match placed {
             Some((worker, index)) => {
                 st.origin_workers
                     .entry(b.origin)
                     .or_default()
                     .insert(worker);
+                if b.events
+                    .iter()
+                    .any(|e| matches!(e.kind, Some(pb::relay_event::Kind::Cleared(_))))
+                {
+                    self.fencing.set_diverged(worker, false);
+                }
                 for ev in &b.events {
                     match from_pb(ev) {
                         Some(ev) => {
@@ -350,8 +434,12 @@ impl RelayHub {
 pub(crate) struct HubSink(pub Arc<RelayHub>);
 
 impl EventSink for HubSink {
-    fn deliver(&self, worker: &WorkerId, events: Vec<EngineEvent>) {
-        self.0.originate(worker, events);
+    fn admit(&self, worker: &WorkerId) -> Option<Ticket> {
+        self.0.fencing.admit(worker, Instant::now())
+    }
+
+    fn deliver(&self, worker: &WorkerId, ticket: Ticket, events: Vec<EngineEvent>) {
+        self.0.originate(worker, ticket, events);
     }
 }
 
@@ -402,6 +490,7 @@ fn split_event(ev: EngineEvent, max: usize) -> Vec<EngineEvent> {
                     tokens: whole.tokens[start..start + hashes.len() * bs].to_vec(),
                     medium: whole.medium,
                     block_size: whole.block_size,
+                    session_id: None,
                 }));
                 prev = hashes.last().copied();
             }
@@ -464,6 +553,7 @@ fn from_pb(ev: &pb::RelayEvent) -> Option<EngineEvent> {
                 Medium::Device
             },
             block_size: None,
+            session_id: None,
         }),
         Kind::Removed(r) => EngineEvent::Removed {
             engine_hashes: r
@@ -480,13 +570,21 @@ fn from_pb(ev: &pb::RelayEvent) -> Option<EngineEvent> {
 
 /// After bootstrap: keeps ownership of single-reader sources and relay subscriptions current,
 /// and evens out what vanished origins relayed.
+///
+/// Per source, each tick: a replica that is not the rendezvous owner gives its claim up and
+/// stops polling; the owner stands down before a higher claim of a peer it sees (and, while
+/// draining, before any draining claim of a peer it sees), does not claim while a peer it sees
+/// holds one, else claims (see [`super::fence`]) and activates the claim once
+/// the handoff delay has passed, no ready peer still polls the source, it has applied what every
+/// ready peer had originated, and no catch-up of an origin that relayed this source is running.
 pub(crate) async fn maintain(state: Arc<ReplicaState>) {
     let interval = state.probe_interval();
     let handoff = interval * 3;
     let mut owner_since: HashMap<WorkerId, Instant> = HashMap::new();
     let mut subs: HashMap<u64, tokio::task::JoinHandle<()>> = HashMap::new();
     let mut alive: HashSet<u64> = HashSet::new();
-    let catching = Arc::new(AtomicU64::new(0));
+    // Origins being caught up on, and the sources each relayed (only those wait for it).
+    let catching: Arc<Mutex<HashMap<u64, HashSet<WorkerId>>>> = Arc::default();
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -496,50 +594,147 @@ pub(crate) async fn maintain(state: Arc<ReplicaState>) {
         // Origins that vanished: survivors even out what each of them received.
         let live: HashSet<u64> = view.iter().map(|m| m.instance).collect();
         for gone in alive.difference(&live) {
-            if state.hub.position(*gone).is_some() {
-                catching.fetch_add(1, Ordering::SeqCst);
+            if state.hub.position(*gone).is_some() && !catching.lock().contains_key(gone) {
+                let relayed = state.hub.origin_workers(*gone);
+                catching.lock().insert(*gone, relayed);
                 let (state, catching, gone) = (state.clone(), catching.clone(), *gone);
                 tokio::spawn(async move {
+                    tracing::debug!(
+                        origin = format!("{gone:016x}"),
+                        "catching up on a vanished origin"
+                    );
                     catch_up(&state, gone).await;
                     // Once more, for batches still in flight to peers at the first pass.
                     tokio::time::sleep(state.probe_interval() * 3).await;
                     catch_up(&state, gone).await;
-                    catching.fetch_sub(1, Ordering::SeqCst);
+                    catching.lock().remove(&gone);
+                    tracing::debug!(origin = format!("{gone:016x}"), "caught up");
                 });
             }
         }
         alive = live;
         let sources = state.feeds.single_readers();
+        let fencing = &state.hub.fencing;
         for (w, sr) in &sources {
-            if state.owner_of(w) == Some(state.instance) {
-                let since = *owner_since.entry(*w).or_insert(now);
-                if now.duration_since(since) >= handoff
-                    && !state.feeds.is_polling(w)
-                    && catching.load(Ordering::SeqCst) == 0
-                    && handed_over(&state, &view, w)
-                {
-                    tracing::info!(worker = %w, "this replica now owns the worker's event drain");
-                    state.feeds.poll(
-                        *w,
-                        sr.index.block_size(),
-                        sr.interval,
-                        Arc::new(HubSink(state.hub.clone())),
-                    );
-                }
-            } else {
+            let name = w.to_string();
+            if state.owner_of(w) != Some(state.instance) {
                 owner_since.remove(w);
-                if state.feeds.is_owned_here(w) {
-                    tracing::info!(worker = %w, "another replica owns the worker's event drain now");
-                    state.feeds.stop_polling(w);
+                stand_down(
+                    &state,
+                    w,
+                    "another replica owns the worker's event drain now",
+                );
+                continue;
+            }
+            // The highest claim a peer this replica sees holds on the source.
+            let peer_top = view
+                .iter()
+                .flat_map(|m| {
+                    m.claims
+                        .iter()
+                        .filter(|c| c.worker == name)
+                        .map(move |c| (c.epoch, m.instance))
+                })
+                .max();
+            if fencing.superseded(w) {
+                owner_since.remove(w);
+                stand_down(
+                    &state,
+                    w,
+                    "a higher claim on the worker's event drain was made",
+                );
+                continue;
+            }
+            let ours = fencing.claim_of(w);
+            // A peer this replica sees drains the source too: back off whatever the ranks (the
+            // peer may not see us, and would never stand down); claims settle from scratch.
+            let peer_active = view
+                .iter()
+                .any(|m| m.claims.iter().any(|c| c.worker == name && c.active));
+            match (&ours, peer_top) {
+                (Some(c), Some(_)) if c.active && peer_active => {
+                    owner_since.remove(w);
+                    stand_down(&state, w, "a peer drains the worker too: backing off");
+                    continue;
                 }
+                (Some(c), Some(top)) if (c.epoch, state.instance) < top => {
+                    owner_since.remove(w);
+                    stand_down(
+                        &state,
+                        w,
+                        "a peer holds a higher claim on the worker's event drain",
+                    );
+                    continue;
+                }
+                (None, Some(_)) => continue, // it stands down first when it sees us own it
+                (None, None) => {
+                    let epoch = fencing.claim(*w);
+                    tracing::debug!(worker = %w, epoch, "claiming the worker's event drain");
+                    owner_since.insert(*w, now);
+                    continue;
+                }
+                (Some(_), _) => {}
+            }
+            let Some(c) = ours else { continue };
+            if c.active {
+                // A replica (this one included) drained beyond a cut (it was paused or cut off
+                // while it owned the source): its peers never applied those events, so every
+                // replica forgets the source at this point of our stream and it is cold until
+                // fresh events; repeated while the report stands (a clear in flight is slow).
+                let diverged = fencing.diverged().contains(w)
+                    || view.iter().any(|m| m.diverged.contains(&name));
+                if diverged
+                    && let Some(ticket) = fencing.admit(w, Instant::now())
+                    && fencing.may_clear(w, Instant::now(), handoff * 3)
+                {
+                    tracing::warn!(worker = %w, "a replica holds events of this worker its peers refused: clearing the worker on every replica (it is cold until fresh events)");
+                    state.hub.originate(w, ticket, vec![EngineEvent::Cleared]);
+                }
+                continue;
+            }
+            let since = *owner_since.entry(*w).or_insert(now);
+            let waiting_for_catch_up = catching.lock().values().any(|ws| ws.contains(w));
+            if now.duration_since(since) >= handoff
+                && !state.feeds.is_polling(w)
+                && !waiting_for_catch_up
+                && handed_over(&state, &view, w)
+            {
+                let prev = fencing
+                    .previous_owner(w)
+                    .map(|o| (o, state.hub.position(o).unwrap_or(0)));
+                fencing.activate(w, prev, state.members.lease_until());
+                tracing::info!(worker = %w, epoch = c.epoch, "this replica now owns the worker's event drain");
+                state.feeds.poll(
+                    *w,
+                    sr.index.block_size(),
+                    sr.interval,
+                    Arc::new(HubSink(state.hub.clone())),
+                );
             }
         }
         owner_since.retain(|w, _| sources.iter().any(|(s, _)| s == w));
+        for (w, _) in fencing.claims() {
+            if !sources.iter().any(|(s, _)| *s == w) {
+                fencing.release(&w);
+            }
+        }
         subs.retain(|_, t| !t.is_finished());
         for m in &view {
             subs.entry(m.instance)
                 .or_insert_with(|| tokio::spawn(subscribe(state.clone(), m.addr, m.instance)));
         }
+    }
+}
+
+/// Gives up this replica's claim on `worker` and stops polling it (the drain in flight is
+/// finished and relayed first).
+fn stand_down(state: &ReplicaState, worker: &WorkerId, why: &'static str) {
+    let had = state.hub.fencing.release(worker);
+    if state.feeds.is_owned_here(worker) {
+        tracing::info!(%worker, "{why}");
+        state.feeds.stop_polling(worker);
+    } else if had {
+        tracing::debug!(%worker, "{why}");
     }
 }
 
@@ -552,8 +747,11 @@ fn handed_over(state: &ReplicaState, view: &[super::members::Member], worker: &W
     })
 }
 
-/// Asks every live peer for the batches of `origin` beyond this replica's position.
+/// Asks every live peer (the origin too, if it is back) for the batches of `origin` beyond this
+/// replica's position. Bounded: [`CATCH_UP_DEADLINE`] in all, [`CATCH_UP_MAX`] batches per peer,
+/// and every answer is finite.
 async fn catch_up(state: &Arc<ReplicaState>, origin: u64) {
+    let deadline = tokio::time::Instant::now() + CATCH_UP_DEADLINE;
     for m in state.members.view() {
         let from = state.hub.position(origin).unwrap_or(0);
         let mut client = state.members.client(m.addr);
@@ -565,14 +763,16 @@ async fn catch_up(state: &Arc<ReplicaState>, origin: u64) {
                 of_origin: origin,
             },
         );
-        let Ok(Ok(resp)) = tokio::time::timeout(Duration::from_secs(5), client.relay(req)).await
-        else {
+        let Ok(Ok(resp)) = tokio::time::timeout_at(deadline, client.relay(req)).await else {
             continue;
         };
         let mut stream = resp.into_inner();
-        while let Ok(Ok(Some(b))) =
-            tokio::time::timeout(Duration::from_secs(5), stream.message()).await
-        {
+        let mut read = 0;
+        while read < CATCH_UP_MAX {
+            let Ok(Ok(Some(b))) = tokio::time::timeout_at(deadline, stream.message()).await else {
+                break;
+            };
+            read += 1;
             if b.keepalive || b.origin != origin {
                 continue;
             }
@@ -648,6 +848,7 @@ mod tests {
             tokens: (0..n as u32 * bs).collect(),
             medium: Medium::Device,
             block_size: Some(bs as usize),
+            session_id: None,
         });
         let rm = EngineEvent::Removed {
             engine_hashes: (0..n).step_by(7).map(EngineBlockHash).collect(),

@@ -13,7 +13,6 @@ use tonic::{Request, Response, Status};
 use super::ReplicaState;
 use super::pb;
 use super::pb::replica_server::{Replica, ReplicaServer};
-use crate::auth::constant_time_eq;
 
 /// Relayed batches sent per read of the log.
 const RELAY_READ: usize = 64;
@@ -36,7 +35,9 @@ impl Service {
         let ok = req
             .metadata()
             .get("authorization")
-            .is_some_and(|got| constant_time_eq(got.as_bytes(), want.as_bytes()));
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .is_some_and(|got| want.accepts(got));
         if ok {
             Ok(())
         } else {
@@ -65,6 +66,44 @@ impl Replica for Service {
                 .map(|(w, _)| w.to_string())
                 .collect(),
             relay_next: self.state.hub.next_seq(),
+            claims: self
+                .state
+                .hub
+                .fencing
+                .claims()
+                .into_iter()
+                .map(|(w, c)| pb::Claim {
+                    worker: w.to_string(),
+                    epoch: c.epoch,
+                    active: c.active,
+                    prev_origin: c.prev.map_or(0, |p| p.0),
+                    prev_seq: c.prev.map_or(0, |p| p.1),
+                    owner: 0,
+                })
+                .collect(),
+            fences: self
+                .state
+                .hub
+                .fencing
+                .fences()
+                .into_iter()
+                .map(|(w, f)| pb::Claim {
+                    worker: w.to_string(),
+                    epoch: f.epoch,
+                    active: true,
+                    prev_origin: f.prev.map_or(0, |p| p.0),
+                    prev_seq: f.prev.map_or(0, |p| p.1),
+                    owner: f.owner,
+                })
+                .collect(),
+            diverged: self
+                .state
+                .hub
+                .fencing
+                .diverged()
+                .iter()
+                .map(ToString::to_string)
+                .collect(),
         }))
     }
 
@@ -97,9 +136,11 @@ impl Replica for Service {
         let r = req.into_inner();
         let hub = self.state.hub.clone();
         let instance = self.state.instance;
-        if r.of_origin != 0 && r.of_origin != instance {
-            // Another origin's batches this replica applied: what it has, then the end.
-            let batches = hub.read_origin(r.of_origin, r.from_seq);
+        if r.of_origin != 0 {
+            // A catch-up: what this replica holds of that origin (itself included, when it is
+            // back after peers gave it up), bounded, then the end; never a live stream.
+            let batches =
+                hub.read_for_catch_up(r.of_origin, r.from_seq, super::relay::CATCH_UP_MAX);
             let stream = tokio_stream::iter(batches.into_iter().map(|b| Ok((*b).clone())));
             return Ok(Response::new(Box::pin(stream)));
         }

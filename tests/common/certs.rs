@@ -86,9 +86,7 @@ pub fn der_of(pem: &str) -> Vec<u8> {
 
 /// Replaces `path` atomically with `bytes`.
 pub fn replace_file(path: &Path, bytes: &[u8]) {
-    let tmp = path.with_extension("writing");
-    std::fs::write(&tmp, bytes).unwrap();
-    std::fs::rename(&tmp, path).unwrap();
+    super::write_file(path, bytes);
 }
 
 /// A client configuration trusting `roots` (PEM) and presenting `identity` when given; ALPN h2.

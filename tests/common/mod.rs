@@ -5,6 +5,7 @@
 
 pub mod certs;
 pub mod extproc;
+pub mod replicas;
 pub mod sim;
 pub mod tokenizer_cases;
 
@@ -44,6 +45,37 @@ pub fn require_tool(what: &str) {
         panic!("required test tool missing under CI=true: {what}");
     }
     eprintln!("SKIPPING: required test tool missing: {what}");
+}
+
+/// A fresh, empty directory for one test (or one process of a test): unique per call, process
+/// and moment, so tests running in parallel (or a reused pid) never share config, token or log
+/// files.
+pub fn test_dir(prefix: &str) -> PathBuf {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let d = std::env::temp_dir().join(format!(
+        "kv-epp-{prefix}-{}-{n}-{nanos}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Writes `path` atomically: a temporary file beside it, renamed over it, so a process reading
+/// it concurrently sees the old content or the new, never an empty or half-written file.
+pub fn write_file(path: &Path, bytes: impl AsRef<[u8]>) {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".writing-{}-{n}", std::process::id()));
+    let tmp = path.with_file_name(name);
+    std::fs::write(&tmp, bytes).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
 }
 
 /// Picks a free loopback port, never the same one twice in a test process (the kernel may hand

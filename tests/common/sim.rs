@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 
 use kv_epp_core::namespace::Namespace;
 use kv_epp_core::salt::{CacheSalt, SaltSource};
-use kv_epp_sim::events::{EventLayout, HashForm};
+use kv_epp_sim::events::{EventLayout, HashForm, SimEngine};
 use kv_epp_sim::prefix_cache::CacheRequest;
 use kv_epp_sim::server::{SimWorker, SimWorkerConfig, start};
 use serde_json::{Value, json};
@@ -26,6 +26,8 @@ pub struct SimSpec {
     pub hash_form: HashForm,
     /// The event port (a free one when `None`).
     pub events_port: Option<u16>,
+    /// Which engine's events (and `cache_salt` rule) the worker simulates.
+    pub engine: SimEngine,
 }
 
 impl Default for SimSpec {
@@ -41,6 +43,7 @@ impl Default for SimSpec {
             layout: EventLayout::Map,
             hash_form: HashForm::Int,
             events_port: None,
+            engine: SimEngine::Vllm,
         }
     }
 }
@@ -60,6 +63,8 @@ pub async fn sim_worker(s: SimSpec) -> SimWorker {
     p.fault_seed = s.seed;
     p.encoder.layout = s.layout;
     p.encoder.hash_form = s.hash_form;
+    p.encoder.engine = s.engine;
+    config.served.engine = s.engine;
     start(config, None).await.unwrap()
 }
 

@@ -331,6 +331,7 @@ FULL_CONFIG = {
         "max_buffered_body_bytes": 134217728,
         "decision_threads": 4,
         "large_body_decision_threads": 1,
+        "unrenderable": "reject",
     },
     "scoring": {
         "prefix_weight": 4.5,
@@ -397,7 +398,7 @@ def test_default_config_sections_match_the_example_config_file(chart):
     example (deploy/examples/kv-epp.yaml) for the sections config.rs reads."""
     example = yaml.safe_load((ROOT / "deploy" / "examples" / "kv-epp.yaml").read_text())
     cfg = render(chart, BASE).config
-    for section in ("routing", "scoring", "index"):
+    for section in ("routing", "flow_control", "scoring", "index"):
         assert set(cfg[section]) >= set(example[section]), section
         for key, value in example[section].items():
             assert cfg[section][key] == value, f"{section}.{key}"
@@ -812,6 +813,15 @@ def test_tensorrt_llm_workers_are_polled(chart):
     assert r.config["events"] == {"engine": "trtllm", "trtllm": {"poll_interval_ms": 50}}
     assert [w["endpoint"] for w in r.config["workers"]] == ["10.1.0.5:8000", "10.1.0.5:8001"]
     assert r.one("InferencePool")["spec"]["targetPorts"] == [{"number": 8000}, {"number": 8001}]
+
+
+def test_trtllm_over_zeromq_and_unsalted_engines(chart):
+    values = {"inferencePool": {"modelServerType": "trtllm-serve"}, "config": {"events": {
+        "trtllm": {"transport": "zmq"}, "salted_events": False, "zmq": {"port": 7000}}}}
+    events = render(chart, merged(values)).config["events"]
+    assert events["trtllm"] == {"poll_interval_ms": 100, "transport": "zmq"}
+    assert events["zmq"]["port"] == 7000, "every replica subscribes on the ZeroMQ ports"
+    assert events["salted_events"] is False
 
 
 @pytest.mark.parametrize(

@@ -45,8 +45,13 @@ pub struct StoredRun {
     pub tokens: Vec<u32>,
     /// Where they were stored.
     pub medium: Medium,
-    /// Tokens per block, when the engine said (vLLM does); checked against the model's.
+    /// Tokens per block, when the engine said (vLLM does); checked against the model's. When it
+    /// did not (an offload connector, TensorRT-LLM's drain), the run takes the model's block
+    /// size only if its token count proves it.
     pub block_size: Option<usize>,
+    /// The session that triggered the store, when the engine said (vLLM, SGLang). Kept with the
+    /// sequence by the index ([`KvIndex::session_tail`]); session affinity builds on it.
+    pub session_id: Option<String>,
 }
 
 impl StoredRun {
@@ -131,10 +136,23 @@ pub fn apply(
                     model: index.block_size(),
                 });
             }
+            let blocks = run.engine_hashes.len();
+            if run.block_size.is_none() && run.tokens.len() != blocks * index.block_size() {
+                // Nothing proves these blocks have the model's size: their hashes could never
+                // match a query.
+                counters.block_size_mismatch.fetch_add(1, Ordering::Relaxed);
+                return Err(ApplyError::BlockSize {
+                    event: run.tokens.len().checked_div(blocks).unwrap_or(0),
+                    model: index.block_size(),
+                });
+            }
             if run.parent.is_none() && run.root_seed.is_none() {
                 counters.foreign_namespace.fetch_add(1, Ordering::Relaxed);
             }
             index.store(worker, &run.as_store())?;
+            if let (Some(session), Some(last)) = (&run.session_id, run.engine_hashes.last()) {
+                index.note_session(worker, session, *last);
+            }
         }
         EngineEvent::Removed {
             engine_hashes,
@@ -185,6 +203,7 @@ mod tests {
             tokens: hashes.iter().flat_map(|&h| [h as u32; BS]).collect(),
             medium: Medium::Device,
             block_size: Some(BS),
+            session_id: None,
         })
     }
 
@@ -259,6 +278,63 @@ mod tests {
         }
         apply(&idx, &w, &ev, &c).unwrap();
         assert_eq!(idx.worker_blocks(&w).unwrap(), 1);
+    }
+
+    #[test]
+    fn a_run_without_block_size_needs_its_tokens_to_prove_the_models() {
+        let (idx, w) = setup();
+        let c = EventCounters::default();
+        let mut ev = stored(None, Some(HashSeed::UNSALTED), &[1, 2]);
+        if let EngineEvent::Stored(run) = &mut ev {
+            run.block_size = None;
+            run.medium = Medium::Offload;
+            run.tokens.push(9); // 5 tokens for 2 blocks of 2: not the model's size
+        }
+        assert!(matches!(
+            apply(&idx, &w, &ev, &c),
+            Err(ApplyError::BlockSize { .. })
+        ));
+        assert_eq!(c.block_size_mismatch.load(Ordering::Relaxed), 1);
+        if let EngineEvent::Stored(run) = &mut ev {
+            run.tokens.pop();
+        }
+        apply(&idx, &w, &ev, &c).unwrap();
+        let o = idx.query(&prompt_hashes(&[1, 1, 2, 2], BS, HashSeed::UNSALTED).1);
+        assert_eq!(
+            (o[0].device_blocks, o[0].total_blocks),
+            (0, 2),
+            "offload tier"
+        );
+    }
+
+    #[test]
+    fn a_session_is_kept_with_its_newest_block_while_the_worker_holds_it() {
+        let (idx, w) = setup();
+        let c = EventCounters::default();
+        let with_session = |parent, hashes: &[u64]| {
+            let mut ev = stored(parent, Some(HashSeed::UNSALTED), hashes);
+            if let EngineEvent::Stored(run) = &mut ev {
+                run.session_id = Some("s1".into());
+            }
+            ev
+        };
+        apply(&idx, &w, &with_session(None, &[1]), &c).unwrap();
+        apply(&idx, &w, &with_session(Some(1), &[2, 3]), &c).unwrap();
+        assert_eq!(idx.session_tail(&w, "s1"), Some(EngineBlockHash(3)));
+        assert_eq!(idx.session_tail(&w, "s2"), None);
+        let rm = EngineEvent::Removed {
+            engine_hashes: vec![EngineBlockHash(3)],
+            tiers: TIER_DEVICE,
+        };
+        apply(&idx, &w, &rm, &c).unwrap();
+        assert_eq!(
+            idx.session_tail(&w, "s1"),
+            None,
+            "the worker no longer holds it"
+        );
+        apply(&idx, &w, &with_session(Some(2), &[3]), &c).unwrap();
+        apply(&idx, &w, &EngineEvent::Cleared, &c).unwrap();
+        assert_eq!(idx.session_tail(&w, "s1"), None);
     }
 
     #[test]
@@ -352,6 +428,7 @@ mod tests {
                 tokens: tokens[range.start * BS..range.end * BS].to_vec(),
                 medium: Medium::Device,
                 block_size: Some(BS),
+                session_id: None,
             });
             apply(&idx, &w, &ev(None, 0..split.max(1)), &c).unwrap();
             if split >= 1 && split < blocks.len() {

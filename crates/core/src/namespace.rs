@@ -2,10 +2,12 @@
 //! hashed under, how that namespace travels to the engine, and how it is read back from the
 //! engine's events.
 //!
-//! kv-epp forwards the resolved salt to the engine in the body's top-level `cache_salt` (vLLM and
-//! TensorRT-LLM both read it), so the engine isolates its own cache reuse under the same tenant.
-//! The engine then publishes the salt (vLLM: untagged, in the first block's extra keys) and every
-//! replica must map such an event back to the tenant's namespace from the event alone.
+//! kv-epp forwards the resolved salt to the engine in the body's top-level `cache_salt` (vLLM,
+//! SGLang and TensorRT-LLM all read it; SGLang takes any string, so vLLM's stricter rule, which
+//! the forwarded form meets, serves all three), so the engine isolates its own cache reuse under
+//! the same tenant. The engine then publishes the salt (vLLM: untagged, in the first block's extra
+//! keys; SGLang: in the event's own `cache_salt`) and every replica must map such an event back to
+//! the tenant's namespace from the event alone.
 //!
 //! The rule:
 //! - The *namespace* of a salt ([`Namespace::of`]) is either the salt itself (exact Dynamo

@@ -13,7 +13,8 @@
 //! rendezvous weight of (affinity key, worker), so identical prompts land on the same worker
 //! without any shared state and every replica breaks ties the same way. Temperature > 0 samples
 //! from a softmax over `-cost / temperature` with the caller's RNG. Candidates at their in-flight
-//! limit are never picked; if all are, the request is shed.
+//! limit (kv-epp's count or the engine's running + waiting) are never picked; if all are, the
+//! request waits in flow control's queue or is shed.
 //!
 //! Pure and synchronous: no I/O, no clock, no global state.
 
@@ -130,9 +131,14 @@ impl Candidate {
         }
     }
 
-    /// Whether the worker is at its in-flight limit (never picked).
+    /// Whether the worker is at its in-flight limit (never picked): kv-epp's own in-flight count
+    /// or, when fresh, the engine's reported running + waiting requests (which also sees other
+    /// replicas' traffic), whichever is larger, the same queue length the queue term uses.
     pub fn saturated(&self) -> bool {
-        self.max_inflight.is_some_and(|m| self.inflight >= m)
+        self.max_inflight.is_some_and(|m| {
+            let engine = self.engine.map_or(0.0, |e| e.running + e.waiting);
+            f64::from(self.inflight).max(engine) >= f64::from(m)
+        })
     }
 }
 
@@ -292,6 +298,27 @@ pub fn pick(
             .collect();
     }
     Ok(Decision { primary, fallbacks })
+}
+
+/// How many more prompt blocks (device + credited offload, as [`score`] counts them) the best
+/// *saturated* candidate holds than `picked`: what a request would recompute by going to
+/// `picked` now instead of waiting for its cached worker to free up. 0 when no saturated
+/// candidate holds more.
+///
+/// Flow control uses it for a queued request: it waits for the cached worker while its wait is
+/// under `gap × affinity_wait_ms_per_block` (capped), trading waiting against recomputing; the
+/// capacity it leaves meanwhile goes to other queued requests.
+pub fn affinity_gap(
+    candidates: &[Candidate],
+    picked: &Scored,
+    prompt_blocks: u32,
+    cfg: &ScoringConfig,
+) -> f64 {
+    candidates
+        .iter()
+        .filter(|c| c.saturated())
+        .map(|c| score(c, prompt_blocks, cfg).cached_blocks - picked.cached_blocks)
+        .fold(0.0, f64::max)
 }
 
 #[cfg(test)]
@@ -489,5 +516,47 @@ mod tests {
             ..ScoringConfig::default()
         };
         assert!(bad.validate().unwrap_err().contains("queue_weight"));
+    }
+
+    #[test]
+    fn an_engine_reporting_a_full_queue_is_saturated_too() {
+        let mut c = Candidate {
+            max_inflight: Some(4),
+            ..cand(1, 0, 1)
+        };
+        assert!(!c.saturated());
+        c.engine = Some(EngineLoad {
+            running: 3.0,
+            waiting: 1.0,
+            kv_usage: 0.5,
+        });
+        assert!(
+            c.saturated(),
+            "other replicas' requests count through the engine"
+        );
+        c.max_inflight = None;
+        assert!(!c.saturated());
+    }
+
+    #[test]
+    fn the_affinity_gap_counts_what_a_saturated_cached_worker_would_save() {
+        let cfg = ScoringConfig::default();
+        let cached = Candidate {
+            max_inflight: Some(1),
+            ..cand(1, 8, 1)
+        };
+        let free = Candidate {
+            max_inflight: Some(1),
+            ..cand(2, 2, 0)
+        };
+        let d = pick(&[cached, free], 10, 0, &cfg, &mut rng()).unwrap();
+        assert_eq!(d.primary.candidate.worker, w(2));
+        assert_eq!(affinity_gap(&[cached, free], &d.primary, 10, &cfg), 6.0);
+        let idle = Candidate {
+            max_inflight: Some(1),
+            ..cand(1, 8, 0)
+        };
+        let d = pick(&[idle, free], 10, 0, &cfg, &mut rng()).unwrap();
+        assert_eq!(affinity_gap(&[idle, free], &d.primary, 10, &cfg), 0.0);
     }
 }

@@ -113,6 +113,17 @@ pub fn validate_cache_salt(v: Option<&Value>) -> Result<Option<String>, ApiError
     Ok(Some(s.clone()))
 }
 
+/// SGLang's `cache_salt` rule (since #30827): any string; the empty string is no salt; anything
+/// else but null is refused (SGLang's pydantic model answers 400). A list, one salt per prompt of
+/// a batch, is not simulated.
+pub fn sglang_cache_salt(v: Option<&Value>) -> Result<Option<String>, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone()).filter(|s| !s.is_empty())),
+        Some(_) => Err(bad("cache_salt must be a string")),
+    }
+}
+
 /// What the engine serves: its model name and LoRA adapters.
 #[derive(Clone, Debug, Default)]
 pub struct Served {
@@ -120,6 +131,8 @@ pub struct Served {
     pub model: String,
     /// LoRA adapter names (clients put them in `model`).
     pub lora_modules: Vec<String>,
+    /// Whose `cache_salt` rule the API applies (vLLM's, or SGLang's).
+    pub engine: crate::events::SimEngine,
 }
 
 /// Parses and validates a request body for `endpoint`.
@@ -146,7 +159,10 @@ pub fn parse_request(
     } else {
         return Err(ApiError::ModelNotFound(model));
     };
-    let cache_salt = validate_cache_salt(json.get("cache_salt"))?;
+    let cache_salt = match served.engine {
+        crate::events::SimEngine::Sglang => sglang_cache_salt(json.get("cache_salt"))?,
+        _ => validate_cache_salt(json.get("cache_salt"))?,
+    };
     let tokens = match endpoint {
         Endpoint::Completions => match json.get("prompt") {
             None => return Err(bad("prompt is required")),
@@ -248,6 +264,7 @@ mod tests {
         Served {
             model: "m".into(),
             lora_modules: vec!["ad".into()],
+            engine: crate::events::SimEngine::Vllm,
         }
     }
 

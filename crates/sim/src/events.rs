@@ -31,6 +31,30 @@ use bytes::Bytes;
 
 use crate::prefix_cache::{CacheEvent, EngineDigest, ExtraKey};
 
+/// Which engine's events to write (framing, replay and batch are the same for all three).
+///
+/// - `vllm`: as above.
+/// - `sglang`: SGLang's `BlockStored` has `block_hashes, parent_block_hash, token_ids,
+///   block_size, lora_id, medium` and, on a salted store, the request's salt: in the array layout
+///   a trailing 8th element `{"cache_salt": salt}` (SGLang #30827; unsalted stores keep the
+///   7-element shape), in the map layout an optional `cache_salt` field (SGLang #37482). The salt
+///   is on every store of a salted request, continuations included. `BlockRemoved` has
+///   `block_hashes, medium`. Hashes are signed 64-bit integers (SGLang's `hash_str_to_int64`).
+/// - `trtllm`: TensorRT-LLM's ZeroMQ publisher (#17023): always tagged maps, hashes as signed
+///   64-bit integers, `BlockStored` with `block_hashes, parent_block_hash, token_ids, block_size,
+///   lora_id, medium, lora_name` and nothing else (no extra keys: no salt is published),
+///   `BlockRemoved` with `block_hashes, medium`; `--event-layout` does not apply.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum SimEngine {
+    /// vLLM 0.33.
+    #[default]
+    Vllm,
+    /// SGLang with salted events (array layout: since #30827; map layout: since #37482).
+    Sglang,
+    /// TensorRT-LLM's ZeroMQ publisher.
+    Trtllm,
+}
+
 /// Which event layout to write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum EventLayout {
@@ -59,6 +83,8 @@ pub const REPLAY_END_SEQ: u64 = u64::MAX;
 /// Encodes event batches of one engine.
 #[derive(Clone, Debug)]
 pub struct BatchEncoder {
+    /// Which engine's events.
+    pub engine: SimEngine,
     /// Event layout.
     pub layout: EventLayout,
     /// Hash form.
@@ -92,6 +118,9 @@ impl Out {
     fn nil(&mut self) {
         let _ = rmp::encode::write_nil(&mut self.0);
     }
+    fn sint(&mut self, v: i64) {
+        let _ = rmp::encode::write_sint(&mut self.0, v);
+    }
     fn f64(&mut self, v: f64) {
         let _ = rmp::encode::write_f64(&mut self.0, v);
     }
@@ -111,6 +140,8 @@ enum Value<'a> {
     Uint(u64),
     Str(&'a str),
     ExtraKeys(&'a [Vec<ExtraKey>]),
+    /// SGLang's `{"cache_salt": salt}`.
+    Metadata(&'a str),
 }
 
 impl BatchEncoder {
@@ -138,6 +169,9 @@ impl BatchEncoder {
     }
 
     fn encode_event(&self, out: &mut Out, e: &CacheEvent) {
+        if self.engine != SimEngine::Vllm {
+            return self.encode_other_engine(out, e);
+        }
         // (name, value, has_default): fields with a default are omitted in the map layout when
         // their value is nil.
         let (tag, fields): (&str, Vec<Field<'_>>) = match e {
@@ -147,6 +181,7 @@ impl BatchEncoder {
                 tokens,
                 extra_keys,
                 lora_name,
+                ..
             } => (
                 "BlockStored",
                 vec![
@@ -218,7 +253,75 @@ impl BatchEncoder {
         }
     }
 
+    /// SGLang's and TensorRT-LLM's events (see [`SimEngine`]).
+    fn encode_other_engine(&self, out: &mut Out, e: &CacheEvent) {
+        let maps = self.engine == SimEngine::Trtllm || self.layout == EventLayout::Map;
+        let (tag, fields): (&str, Vec<(&str, Option<Value<'_>>)>) = match e {
+            CacheEvent::Stored {
+                parent,
+                hashes,
+                tokens,
+                lora_name,
+                salt,
+                ..
+            } => {
+                let lora = lora_name.as_deref();
+                let mut f = vec![
+                    ("block_hashes", Some(Value::Hashes(hashes))),
+                    ("parent_block_hash", parent.map(Value::Hash)),
+                    ("token_ids", Some(Value::Tokens(tokens))),
+                    ("block_size", Some(Value::Uint(self.block_size as u64))),
+                    (
+                        "lora_id",
+                        lora.and_then(|l| self.lora_id(l)).map(Value::Uint),
+                    ),
+                    ("medium", Some(Value::Str(MEDIUM_GPU))),
+                ];
+                match self.engine {
+                    SimEngine::Trtllm => f.push(("lora_name", lora.map(Value::Str))),
+                    _ => {
+                        if let Some(s) = salt.as_deref().filter(|s| !s.is_empty()) {
+                            f.push(if maps {
+                                ("cache_salt", Some(Value::Str(s)))
+                            } else {
+                                ("metadata", Some(Value::Metadata(s)))
+                            });
+                        }
+                    }
+                }
+                ("BlockStored", f)
+            }
+            CacheEvent::Removed { hashes } => (
+                "BlockRemoved",
+                vec![
+                    ("block_hashes", Some(Value::Hashes(hashes))),
+                    ("medium", Some(Value::Str(MEDIUM_GPU))),
+                ],
+            ),
+            CacheEvent::Cleared => ("AllBlocksCleared", Vec::new()),
+        };
+        if maps {
+            out.map(1 + fields.len());
+            out.str("type");
+            out.str(tag);
+            for (name, v) in &fields {
+                out.str(name);
+                self.value(out, v.as_ref());
+            }
+        } else {
+            out.array(1 + fields.len());
+            out.str(tag);
+            for (_, v) in &fields {
+                self.value(out, v.as_ref());
+            }
+        }
+    }
+
     fn hash(&self, out: &mut Out, d: &EngineDigest) {
+        if self.engine != SimEngine::Vllm {
+            // SGLang and TensorRT-LLM write their 64-bit hashes as signed integers.
+            return out.sint(d.as_u64() as i64);
+        }
         match self.hash_form {
             HashForm::Int => out.uint(d.as_u64()),
             HashForm::Bytes => out.bin(&d.0),
@@ -243,6 +346,11 @@ impl BatchEncoder {
             }
             Some(Value::Uint(n)) => out.uint(*n),
             Some(Value::Str(s)) => out.str(s),
+            Some(Value::Metadata(salt)) => {
+                out.map(1);
+                out.str("cache_salt");
+                out.str(salt);
+            }
             Some(Value::ExtraKeys(per_block)) => {
                 out.array(per_block.len());
                 for keys in *per_block {
@@ -368,6 +476,7 @@ mod tests {
 
     fn encoder(layout: EventLayout, hash_form: HashForm) -> BatchEncoder {
         BatchEncoder {
+            engine: SimEngine::Vllm,
             layout,
             hash_form,
             block_size: 2,
@@ -383,6 +492,7 @@ mod tests {
             tokens: vec![7, 300],
             extra_keys: vec![vec![ExtraKey::Str("s".into())]],
             lora_name: None,
+            salt: Some("s".into()),
         }
     }
 
@@ -461,6 +571,7 @@ mod tests {
             tokens: vec![1, 2, 3, 4],
             extra_keys: vec![vec![ExtraKey::Str("ad".into())], vec![]],
             lora_name: Some("ad".into()),
+            salt: None,
         };
         let bytes = enc.encode_batch(0.0, &[ev]);
         // Map of 11: type + 7 required + extra_keys, group_idx, kv_cache_spec_kind.
@@ -489,6 +600,46 @@ mod tests {
         // extra_keys: [["ad"], nil]
         let ek = find("extra_keys").expect("extra_keys") + "extra_keys".len();
         assert_eq!(&bytes[ek..ek + 6], &[0x92, 0x91, 0xa2, b'a', b'd', 0xc0]);
+    }
+
+    #[test]
+    fn sglang_and_trtllm_exact_bytes() {
+        let mut enc = encoder(EventLayout::Array, HashForm::Int);
+        enc.engine = SimEngine::Sglang;
+        let h1_signed: [u8; 9] = [0xd3, 0x80, 0, 0, 0, 0, 0, 0, 1]; // int64, negative
+        let bytes = enc.encode_batch(1.5, &[stored()]);
+        let mut want = vec![0x93];
+        want.extend(TS);
+        want.extend([0x91, 0x98]); // 1 event: 8 items (salted: trailing metadata)
+        want.extend(fixstr("BlockStored"));
+        want.push(0x91);
+        want.extend(h1_signed);
+        want.push(0xc0); // parent
+        want.extend([0x92, 0x07, 0xcd, 0x01, 0x2c]);
+        want.push(0x02); // block_size
+        want.push(0xc0); // lora_id
+        want.extend(fixstr("GPU"));
+        want.push(0x81);
+        want.extend(fixstr("cache_salt"));
+        want.extend(fixstr("s"));
+        want.push(0xc0); // rank
+        assert_eq!(bytes, want);
+        // Map layout: the salt is a field; an unsalted store has none.
+        enc.layout = EventLayout::Map;
+        let bytes = enc.encode_batch(1.5, &[stored()]);
+        assert_eq!(bytes[11], 0x88, "type + 6 fields + cache_salt");
+        let mut unsalted = stored();
+        if let CacheEvent::Stored { salt, .. } = &mut unsalted {
+            *salt = None;
+        }
+        assert_eq!(enc.encode_batch(1.5, &[unsalted.clone()])[11], 0x87);
+        // TensorRT-LLM: maps with lora_name and no salt, whatever the layout flag says.
+        enc.engine = SimEngine::Trtllm;
+        enc.layout = EventLayout::Array;
+        let bytes = enc.encode_batch(1.5, &[stored()]);
+        assert_eq!(bytes[11], 0x88, "type + 7 fields");
+        let find = |n: &str| bytes.windows(n.len()).any(|w| w == n.as_bytes());
+        assert!(find("lora_name") && !find("cache_salt") && !find("extra_keys"));
     }
 
     #[test]

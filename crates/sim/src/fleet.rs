@@ -152,24 +152,116 @@ impl FleetReport {
     }
 }
 
-struct Engine {
+pub(crate) struct Engine {
     cache: PrefixCache,
     /// Simulated time at which the prefill queue drains.
     prefill_free_at: u64,
-    inflight: u32,
+    pub(crate) inflight: u32,
     /// Which tenant stored each block (to check isolation from the outside).
     stored_by: HashMap<EngineDigest, Option<String>>,
 }
 
+/// What an engine did with one request.
+pub(crate) struct Served {
+    /// Simulated time of the first token, µs.
+    pub(crate) first_token: u64,
+    /// Simulated time of the last token, µs.
+    pub(crate) done: u64,
+    /// The blocks it holds until done.
+    pub(crate) blocks: Vec<u32>,
+    /// Prompt tokens served from the cache.
+    pub(crate) cached_tokens: usize,
+    /// Cache-hit blocks whose block another tenant's request had stored (must be 0).
+    pub(crate) cross_tenant_hit_blocks: u64,
+}
+
+impl Engine {
+    pub(crate) fn new(spec: &FleetSpec) -> Engine {
+        Engine {
+            cache: PrefixCache::new(spec.num_blocks, spec.block_size),
+            prefill_free_at: 0,
+            inflight: 0,
+            stored_by: HashMap::new(),
+        }
+    }
+
+    /// Runs `req` from `now` (µs): prefill after the ones before it (FIFO), decode in parallel.
+    /// Its cache events reach `indexes` as the engine publishes them, through the one writer as
+    /// `worker`. `None`: the engine could not admit it (out of blocks).
+    pub(crate) fn serve(
+        &mut self,
+        worker: &WorkerId,
+        req: &WorkloadRequest,
+        now: u64,
+        spec: &FleetSpec,
+        indexes: &[Arc<KvIndex>],
+        counters: &EventCounters,
+    ) -> Option<Served> {
+        let salt = req.tenant.as_deref();
+        let cache_salt = salt.and_then(|s| CacheSalt::new(s, SaltSource::Header).ok().flatten());
+        // The engine receives the salt in kv-epp's forwarded form, as in production.
+        let forwarded = cache_salt.as_ref().map(|s| Namespace::of(s).forwarded());
+        let creq = CacheRequest {
+            tokens: &req.tokens,
+            salt: forwarded.as_deref(),
+            lora_name: None,
+        };
+        let hit_digests = self.cache.digests_of(&creq);
+        let adm = self.cache.admit(&creq).ok()?;
+        let hit_blocks = adm.cached_tokens / spec.block_size;
+        let cross_tenant_hit_blocks = hit_digests[..hit_blocks]
+            .iter()
+            .filter(|d| self.stored_by.get(d).is_some_and(|t| t.as_deref() != salt))
+            .count() as u64;
+        for ev in self.cache.take_events() {
+            if let CacheEvent::Stored { hashes, .. } = &ev {
+                for h in hashes {
+                    self.stored_by.insert(*h, req.tenant.clone());
+                }
+            }
+            let ev = engine_event(&ev, spec.block_size);
+            for index in indexes {
+                // Ignoring the result: a worker that was removed meanwhile has nothing to update.
+                let _ = writer::apply(index, worker, &ev, counters);
+            }
+        }
+        let start = now.max(self.prefill_free_at);
+        let first_token = start
+            + spec
+                .latency
+                .prefill_us(req.tokens.len() - adm.cached_tokens);
+        self.prefill_free_at = first_token;
+        self.inflight += 1;
+        Some(Served {
+            first_token,
+            done: first_token + spec.latency.decode_us(req.output_tokens),
+            blocks: adm.blocks,
+            cached_tokens: adm.cached_tokens,
+            cross_tenant_hit_blocks,
+        })
+    }
+
+    /// The request holding `blocks` finished.
+    pub(crate) fn finish(&mut self, blocks: &[u32]) {
+        self.cache.release(blocks);
+        self.inflight -= 1;
+    }
+}
+
 /// A running request: (finish time, engine, request number, its blocks).
-type Running = (u64, usize, usize, Vec<u32>);
+pub(crate) type Running = (u64, usize, usize, Vec<u32>);
 
 /// The one model the fleet serves.
 const MODEL: &str = "m";
 
 /// A kv-epp replica's picker over the fleet: its own index of the one model, every engine as a
-/// ready worker, scoring as `cfg` says, no in-flight limit.
-fn picker(spec: &FleetSpec, ids: &[WorkerId], cfg: &ScoringConfig) -> Picker {
+/// ready worker, scoring as `cfg` says, at most `max_inflight` requests per worker.
+pub(crate) fn picker(
+    spec: &FleetSpec,
+    ids: &[WorkerId],
+    cfg: &ScoringConfig,
+    max_inflight: Option<u32>,
+) -> Picker {
     let models = ServedModels::new(
         vec![ModelSettings {
             name: MODEL.into(),
@@ -187,33 +279,28 @@ fn picker(spec: &FleetSpec, ids: &[WorkerId], cfg: &ScoringConfig) -> Picker {
     }
     let policy = decide::Policy {
         scoring: cfg.clone(),
-        max_inflight: None,
+        max_inflight,
         unknown_model: UnknownModel::LoadOnly,
+        unrenderable: decide::UnrenderableRequests::LoadOnly,
         salt: SaltPolicy::default(),
         fingerprints: FingerprintKey::from_passphrase("kv-epp-sim"),
+        salted_events: true,
     };
     Picker::new(Arc::new(models), Arc::new(workers), policy)
 }
 
 /// Runs `requests` through a simulated fleet under `policy`.
 pub fn simulate(spec: &FleetSpec, policy: &Policy, requests: &[WorkloadRequest]) -> FleetReport {
-    let ids: Vec<WorkerId> = (0..spec.workers)
-        .map(|i| WorkerId::new(format!("127.0.0.1:{}", 20000 + i).parse().expect("addr")))
-        .collect();
-    let mut engines: Vec<Engine> = (0..spec.workers)
-        .map(|_| Engine {
-            cache: PrefixCache::new(spec.num_blocks, spec.block_size),
-            prefill_free_at: 0,
-            inflight: 0,
-            stored_by: HashMap::new(),
-        })
-        .collect();
+    let ids = worker_ids(spec);
+    let mut engines: Vec<Engine> = (0..spec.workers).map(|_| Engine::new(spec)).collect();
     let replicas = spec.replicas.max(1);
     // One kv-epp replica = one picker of its own: the product's served models (one model, fed
     // only from the engines' events), its own worker list and bookings (it knows only the
     // requests it routed), and the request pipeline that ext_proc runs.
     let pickers: Vec<Picker> = match policy {
-        Policy::KvAware(cfg) => (0..replicas).map(|_| picker(spec, &ids, cfg)).collect(),
+        Policy::KvAware(cfg) => (0..replicas)
+            .map(|_| picker(spec, &ids, cfg, None))
+            .collect(),
         Policy::RoundRobin => Vec::new(),
     };
     // The indexes the engines' events are applied to (none under round-robin).
@@ -235,12 +322,10 @@ pub fn simulate(spec: &FleetSpec, policy: &Policy, requests: &[WorkloadRequest])
                 break;
             }
             let Reverse((_, e, id, blocks)) = running.pop().expect("peeked");
-            engines[e].cache.release(&blocks);
-            engines[e].inflight -= 1;
+            engines[e].finish(&blocks);
             bookings.remove(&id);
         }
         let salt = req.tenant.as_deref();
-        let cache_salt = salt.and_then(|s| CacheSalt::new(s, SaltSource::Header).ok().flatten());
         let (chosen, credited) = match pickers.get(replica) {
             None => {
                 rr = (rr + 1) % spec.workers;
@@ -283,64 +368,35 @@ pub fn simulate(spec: &FleetSpec, policy: &Policy, requests: &[WorkloadRequest])
                 }
             }
         };
-        let engine = &mut engines[chosen];
-        // The engine receives the salt in kv-epp's forwarded form, as in production.
-        let forwarded = cache_salt.as_ref().map(|s| Namespace::of(s).forwarded());
-        let creq = CacheRequest {
-            tokens: &req.tokens,
-            salt: forwarded.as_deref(),
-            lora_name: None,
-        };
-        let hit_digests = engine.cache.digests_of(&creq);
-        let Ok(adm) = engine.cache.admit(&creq) else {
+        let Some(served) = engines[chosen].serve(&ids[chosen], req, now, spec, &indexes, &counters)
+        else {
             report.rejected += 1;
             continue;
         };
-        let hit_blocks = adm.cached_tokens / spec.block_size;
+        let hit_blocks = served.cached_tokens / spec.block_size;
         if credited as usize > hit_blocks {
             report.overcredited_decisions += 1;
         }
         report.hit_blocks += hit_blocks as u64;
-        for d in &hit_digests[..hit_blocks] {
-            if engine
-                .stored_by
-                .get(d)
-                .is_some_and(|t| t.as_deref() != salt)
-            {
-                report.cross_tenant_hit_blocks += 1;
-            }
-        }
-        for ev in engine.cache.take_events() {
-            if let CacheEvent::Stored { hashes, .. } = &ev {
-                for h in hashes {
-                    engine.stored_by.insert(*h, req.tenant.clone());
-                }
-            }
-            let ev = engine_event(&ev, spec.block_size);
-            for index in &indexes {
-                // Ignoring the result: a worker that was removed meanwhile has nothing to update.
-                let _ = writer::apply(index, &ids[chosen], &ev, &counters);
-            }
-        }
-        let start = now.max(engine.prefill_free_at);
-        let first_token = start
-            + spec
-                .latency
-                .prefill_us(req.tokens.len() - adm.cached_tokens);
-        engine.prefill_free_at = first_token;
-        engine.inflight += 1;
-        let done = first_token + spec.latency.decode_us(req.output_tokens);
-        running.push(Reverse((done, chosen, n, adm.blocks)));
+        report.cross_tenant_hit_blocks += served.cross_tenant_hit_blocks;
+        running.push(Reverse((served.done, chosen, n, served.blocks)));
         let stats = report
             .tenants
             .entry(req.tenant.clone().unwrap_or_default())
             .or_default();
         stats.requests += 1;
         stats.prompt_tokens += req.tokens.len() as u64;
-        stats.cached_tokens += adm.cached_tokens as u64;
-        stats.ttft_us.push(first_token - now);
+        stats.cached_tokens += served.cached_tokens as u64;
+        stats.ttft_us.push(served.first_token - now);
     }
     report
+}
+
+/// The fleet's worker ids: one per engine, in engine order.
+pub(crate) fn worker_ids(spec: &FleetSpec) -> Vec<WorkerId> {
+    (0..spec.workers)
+        .map(|i| WorkerId::new(format!("127.0.0.1:{}", 20000 + i).parse().expect("addr")))
+        .collect()
 }
 
 /// The same `requests` routed by one kv-epp and by `replicas` active-active replicas in front of
@@ -373,6 +429,7 @@ pub fn engine_event(ev: &CacheEvent, block_size: usize) -> EngineEvent {
             tokens,
             extra_keys,
             lora_name,
+            ..
         } => {
             let root_seed = if parent.is_none() {
                 let first: Vec<namespace::ExtraKey> = extra_keys
@@ -394,6 +451,7 @@ pub fn engine_event(ev: &CacheEvent, block_size: usize) -> EngineEvent {
                 tokens: tokens.clone(),
                 medium: Medium::Device,
                 block_size: Some(block_size),
+                session_id: None,
             })
         }
         CacheEvent::Removed { hashes: removed } => EngineEvent::Removed {

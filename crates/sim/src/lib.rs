@@ -6,6 +6,7 @@ pub mod api;
 pub mod engine;
 pub mod events;
 pub mod fleet;
+pub mod flood;
 pub mod latency;
 pub mod prefix_cache;
 pub mod publisher;

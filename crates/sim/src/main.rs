@@ -23,6 +23,8 @@ enum Command {
     Demo(cli::demo::DemoArgs),
     /// Print the built-in multi-tenant workload as JSON lines (arrival, tenant, request body).
     Workload(cli::workload::WorkloadArgs),
+    /// One tenant floods the fleet at 10x the others: flow control on and off, compared.
+    Flood(cli::flood::FloodArgs),
 }
 
 fn main() -> ExitCode {
@@ -30,6 +32,7 @@ fn main() -> ExitCode {
         Command::SimWorker(args) => cli::sim_worker::run(&args),
         Command::Demo(args) => cli::demo::run(&args).map(|out| print!("{out}")),
         Command::Workload(args) => cli::workload::run(&args).map(|out| print!("{out}")),
+        Command::Flood(args) => cli::flood::run(&args).map(|out| print!("{out}")),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -48,6 +48,8 @@ pub enum CacheEvent {
         extra_keys: Vec<Vec<ExtraKey>>,
         /// The request's LoRA adapter.
         lora_name: Option<String>,
+        /// The request's salt, for engines that publish it on every store (SGLang).
+        salt: Option<String>,
     },
     /// Blocks evicted.
     Removed {
@@ -236,6 +238,7 @@ impl PrefixCache {
                 tokens: req.tokens[hit * bs..digests.len() * bs].to_vec(),
                 extra_keys: (hit..digests.len()).map(|i| extra_keys(req, i)).collect(),
                 lora_name: req.lora_name.filter(|l| !l.is_empty()).map(str::to_owned),
+                salt: req.salt.filter(|s| !s.is_empty()).map(str::to_owned),
             });
         }
         Ok(Admission {

@@ -55,6 +55,7 @@ impl SimWorkerConfig {
             served: Served {
                 model: "m".into(),
                 lora_modules: vec![],
+                engine: crate::events::SimEngine::Vllm,
             },
             engine: EngineConfig {
                 num_blocks,
@@ -74,6 +75,7 @@ impl SimWorkerConfig {
                 drop_fraction: 0.0,
                 fault_seed: 0,
                 encoder: crate::events::BatchEncoder {
+                    engine: crate::events::SimEngine::Vllm,
                     layout: crate::events::EventLayout::Map,
                     hash_form: crate::events::HashForm::Int,
                     block_size,
@@ -96,6 +98,8 @@ pub struct SimWorker {
 }
 
 struct App {
+    /// SGLang's `/server_info` `kv_events` block (SGLang workers only).
+    kv_events: Option<Value>,
     engine: Arc<Engine>,
     served: Served,
     tokenize: Option<TokenizeHook>,
@@ -109,8 +113,25 @@ pub async fn start(
     tokenize: Option<TokenizeHook>,
 ) -> Result<SimWorker, String> {
     let (tx, rx) = mpsc::unbounded_channel();
+    let (engine_kind, topic, block_size, rank) = (
+        config.served.engine,
+        config.publisher.topic.clone(),
+        config.engine.block_size,
+        config.publisher.encoder.data_parallel_rank.unwrap_or(0),
+    );
     let events = publisher::start(config.publisher, rx).await?;
+    // What SGLang advertises: its publisher's base port (rank 0's) behind a wildcard host.
+    let kv_events = (engine_kind == crate::events::SimEngine::Sglang).then(|| {
+        let port = events
+            .events_endpoint
+            .rsplit_once(':')
+            .and_then(|(_, p)| p.parse::<u32>().ok())
+            .and_then(|p| p.checked_sub(rank));
+        json!({"publisher": "zmq", "endpoint_host": "*", "endpoint_port_base": port,
+            "topic": topic, "block_size": block_size, "dp_size": rank + 1})
+    });
     let app = Arc::new(App {
+        kv_events,
         engine: Engine::new(config.engine, tx),
         served: config.served,
         tokenize,
@@ -121,6 +142,7 @@ pub async fn start(
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/server_info", get(server_info))
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/metrics", get(metrics))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
@@ -294,6 +316,16 @@ fn stream(app: Arc<App>, req: SimRequest, running: Running, meta: Meta) -> Respo
         .header(header::CACHE_CONTROL, "no-cache")
         .body(Body::from_stream(ReceiverStream::new(rx)))
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+/// SGLang's `/server_info`, reduced to what a router reads: the served model and the
+/// `kv_events` block (404 on other engines, which have no such route).
+async fn server_info(State(app): State<Arc<App>>) -> Response {
+    match &app.kv_events {
+        Some(kv) => axum::Json(json!({"served_model_name": app.served.model, "kv_events": kv}))
+            .into_response(),
+        None => StatusCode::NOT_FOUND.into_response(),
+    }
 }
 
 async fn models(State(app): State<Arc<App>>) -> Response {

@@ -38,6 +38,13 @@ fn quick_demo_beats_round_robin_and_keeps_tenants_apart() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(text.contains("no cross-tenant sharing"), "{text}");
+    // Every engine's events went through kv-epp: SGLang's two salt encodings isolated, and
+    // TensorRT-LLM's ZeroMQ publisher applied.
+    assert_eq!(text.matches("-> isolated").count(), 2, "{text}");
+    assert!(
+        text.contains("-> prefix routing, no tenant isolation"),
+        "{text}"
+    );
     let all = text
         .lines()
         .find(|l| l.starts_with("all "))

@@ -114,6 +114,75 @@ pub enum TokenizeError {
     /// The tokenizer failed on the text (not expected for valid UTF-8; a server-side fault).
     #[error("tokenizer failed: {0}")]
     Encode(String),
+    /// The request is well formed, but kv-epp cannot reproduce exactly what the engine will
+    /// render for it (a feature or option kv-epp does not implement). The engine may well
+    /// accept it: the edge routes it on load alone unless configured to refuse.
+    #[error("cannot tokenize this request exactly as vLLM does ({}): {detail}", reason.label())]
+    Inexact {
+        /// Why, as a bounded metric label.
+        reason: Unrenderable,
+        /// What exactly (for the log line and the 400 body; never carries request text).
+        detail: &'static str,
+    },
+}
+
+/// Why kv-epp could not render a request that the engine might accept: the `reason` label of
+/// `kv_epp_unrenderable_total`. A closed set, so the label's cardinality is bounded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Unrenderable {
+    /// The chat template called `raise_exception` (the engine raises too: a 400 from vLLM).
+    TemplateRejected,
+    /// The chat template failed otherwise while rendering.
+    TemplateFailed,
+    /// The model has no chat template configured in kv-epp.
+    NoChatTemplate,
+    /// `continue_final_message` could not find the final message in the render.
+    ContinueFinalMessage,
+    /// The request carries its own chat template (vLLM refuses it unless
+    /// `--trust-request-chat-template`).
+    RequestChatTemplate,
+    /// A rendering option kv-epp does not implement (e.g. `chat_template_kwargs.tokenize`,
+    /// `sanitize_control_tokens`, a non-boolean `strict` that pydantic would coerce).
+    UnsupportedOption,
+    /// The template reads message content as a list of parts (vLLM's "openai" content format),
+    /// which kv-epp does not reproduce.
+    ContentFormat,
+    /// A `/v1/responses` input kv-epp does not map yet (function calls and their outputs,
+    /// reasoning items, `previous_response_id`, stored prompts, roles other than
+    /// user/system/developer/assistant).
+    ResponsesInput,
+    /// A `/v1/responses` tool other than a function tool.
+    ResponsesTool,
+}
+
+impl Unrenderable {
+    /// Every reason, for documentation and tests.
+    pub const ALL: [Unrenderable; 9] = [
+        Unrenderable::TemplateRejected,
+        Unrenderable::TemplateFailed,
+        Unrenderable::NoChatTemplate,
+        Unrenderable::ContinueFinalMessage,
+        Unrenderable::RequestChatTemplate,
+        Unrenderable::UnsupportedOption,
+        Unrenderable::ContentFormat,
+        Unrenderable::ResponsesInput,
+        Unrenderable::ResponsesTool,
+    ];
+
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Unrenderable::TemplateRejected => "template_rejected",
+            Unrenderable::TemplateFailed => "template_failed",
+            Unrenderable::NoChatTemplate => "no_chat_template",
+            Unrenderable::ContinueFinalMessage => "continue_final_message",
+            Unrenderable::RequestChatTemplate => "request_chat_template",
+            Unrenderable::UnsupportedOption => "unsupported_option",
+            Unrenderable::ContentFormat => "content_format",
+            Unrenderable::ResponsesInput => "responses_input",
+            Unrenderable::ResponsesTool => "responses_tool",
+        }
+    }
 }
 
 impl TokenizeError {
@@ -121,5 +190,24 @@ impl TokenizeError {
     /// `false` for a fault of ours ([`Self::Encode`]).
     pub fn is_client_error(&self) -> bool {
         !matches!(self, TokenizeError::Encode(_))
+    }
+
+    /// Why kv-epp cannot render a request the engine might accept, or `None` when the request
+    /// is malformed (the engine refuses it too) or the fault is ours ([`Self::Encode`]).
+    /// Template failures count here: whether the engine also refuses depends on the template,
+    /// which kv-epp renders faithfully but cannot prove identical.
+    pub fn unrenderable(&self) -> Option<Unrenderable> {
+        match self {
+            TokenizeError::TemplateRejected(_) => Some(Unrenderable::TemplateRejected),
+            TokenizeError::TemplateFailed(_) => Some(Unrenderable::TemplateFailed),
+            TokenizeError::NoChatTemplate => Some(Unrenderable::NoChatTemplate),
+            TokenizeError::ContinueFinalMessage(_) => Some(Unrenderable::ContinueFinalMessage),
+            TokenizeError::Inexact { reason, .. } => Some(*reason),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn inexact(reason: Unrenderable, detail: &'static str) -> TokenizeError {
+        TokenizeError::Inexact { reason, detail }
     }
 }

@@ -12,7 +12,8 @@
 //! ```
 //!
 //! - [`catalog`]: the entry point, [`ModelCatalog::tokenize`].
-//! - [`request`]: OpenAI bodies and their defaults; [`messages`]: what the template sees.
+//! - [`request`]: OpenAI bodies and their defaults (`responses`: `/v1/responses` bodies);
+//!   [`messages`]: what the template sees; [`vllm`]: what vLLM's server changes before rendering.
 //! - [`model`]: loading `tokenizer.json` / `tokenizer_config.json` once; encoding; rendering.
 //! - `template`, `pystr`, `pyjson`, `strftime`: Jinja2-under-Python semantics on minijinja.
 //! - [`json`]: an order-preserving JSON tree for tools and tool calls.
@@ -33,11 +34,13 @@ pub mod model;
 pub mod pyjson;
 pub mod pystr;
 pub mod request;
+mod responses;
 mod segments;
 mod strftime;
 mod template;
+pub mod vllm;
 
 pub use catalog::{CatalogConfig, LoraAdapter, ModelCatalog, ModelSpec, TokenizedRequest};
-pub use error::{LoadError, TokenizeError};
+pub use error::{LoadError, TokenizeError, Unrenderable};
 pub use model::{ModelTokenizer, TokenizerFiles};
 pub use request::{ChatPrompt, Endpoint, ParsedRequest, Prompt, parse_request};

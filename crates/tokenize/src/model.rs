@@ -16,12 +16,13 @@ use minijinja::Value;
 use serde_json::Value as JsonValue;
 use tokenizers::Tokenizer;
 
-use super::error::{LoadError, TokenizeError};
+use super::error::{LoadError, TokenizeError, Unrenderable};
 use super::floor::TokenFloor;
 use super::json::Json;
 use super::request::{ChatPrompt, Prompt};
 use super::segments::{Encoded, SegmentCache};
 use super::template::{CONTINUE_TAG, ChatTemplate, RenderError, cut_at_continue_tag};
+use super::vllm::{developer_as_system, filter_template_kwargs};
 
 /// Default budget of the segment cache, in tokens (about 16 MiB of ids).
 pub const DEFAULT_SEGMENT_CACHE_TOKENS: usize = 4 << 20;
@@ -421,27 +422,52 @@ impl ModelTokenizer {
         Ok(encoding.get_ids().to_vec())
     }
 
-    /// Renders a conversation with the chat template, as transformers' `apply_chat_template`
-    /// (with `tokenize=False`) would for vLLM. A config with named templates uses `tool_use`
-    /// for requests with tools, `default` otherwise.
+    /// Renders a conversation with the chat template, as vLLM's `safe_apply_chat_template`
+    /// (`vllm/renderers/hf.py`) renders it through transformers' `apply_chat_template` (with
+    /// `tokenize=False`). A config with named templates uses `tool_use` for requests with
+    /// tools, `default` otherwise.
     ///
+    /// Before rendering, as vLLM: `developer` messages become `system` for a template that does
+    /// not name the role (`vllm::developer_as_system`), and the request's template kwargs are
+    /// filtered to the variables the template reads (`resolve_chat_template_kwargs`).
     /// Template variables, later ones overriding earlier ones: `messages`, `tools` (always
     /// defined, `none` when absent), `documents` (likewise), `add_generation_prompt`, the special
-    /// tokens and server-side variables ([`ModelTokenizer::template_globals`]), then every
-    /// `chat_template_kwargs` entry except `messages`.
+    /// tokens and server-side variables ([`ModelTokenizer::template_globals`]), then the
+    /// filtered kwargs.
+    ///
+    /// Errors: a template that iterates over message content is
+    /// [`Unrenderable::ContentFormat`] (vLLM would pass content as a list of parts).
     pub fn render_chat(&self, chat: &ChatPrompt) -> Result<String, TokenizeError> {
+        let args = &chat.args;
         let named_tool_use = self
             .tool_use_template
             .as_ref()
-            .filter(|_| chat.tools.is_some());
+            .filter(|_| args.tools.is_some());
         let template = named_tool_use
             .or(self.template.as_ref())
             .ok_or(TokenizeError::NoChatTemplate)?;
-        let Some(last) = chat.messages.last() else {
+        if template.reads_content_parts() {
+            return Err(TokenizeError::Inexact {
+                reason: Unrenderable::ContentFormat,
+                detail: "the chat template iterates over message content parts",
+            });
+        }
+        let converted;
+        let messages = if template.supports_developer()
+            || !chat.messages.iter().any(|m| m.role == "developer")
+        {
+            &chat.messages
+        } else {
+            let mut copy = chat.messages.clone();
+            developer_as_system(&mut copy, false);
+            converted = copy;
+            &converted
+        };
+        let Some(last) = messages.last() else {
             return Err(TokenizeError::EmptyMessages);
         };
-        let suffix = if chat.continue_final_message {
-            if chat.add_generation_prompt {
+        let suffix = if args.continue_final_message {
+            if args.add_generation_prompt {
                 return Err(TokenizeError::IncompatibleOptions(
                     "continue_final_message and add_generation_prompt cannot both be set",
                 ));
@@ -455,45 +481,42 @@ impl ModelTokenizer {
         } else {
             ""
         };
-        let count = chat.messages.len();
-        let messages: Vec<Value> = chat
-            .messages
+        let count = messages.len();
+        let messages: Vec<Value> = messages
             .iter()
             .enumerate()
             .map(|(i, m)| m.to_value(if i + 1 == count { suffix } else { "" }))
             .collect();
 
         let mut vars: IndexMap<Value, Value> =
-            IndexMap::with_capacity(4 + self.globals.len() + chat.template_kwargs.len());
+            IndexMap::with_capacity(4 + self.globals.len() + args.kwargs.len());
         vars.insert(Value::from("messages"), Value::from(messages));
         vars.insert(
             Value::from("tools"),
-            chat.tools.clone().map_or(Value::from(()), Json::into_value),
+            args.tools.clone().map_or(Value::from(()), Json::into_value),
         );
         vars.insert(
             Value::from("documents"),
-            chat.documents
+            args.documents
                 .clone()
                 .map_or(Value::from(()), Json::into_value),
         );
         vars.insert(
             Value::from("add_generation_prompt"),
-            Value::from(chat.add_generation_prompt),
+            Value::from(args.add_generation_prompt),
         );
         for (name, value) in &self.globals {
             vars.insert(Value::from(name.as_str()), Value::from(value.as_str()));
         }
-        for (name, value) in &chat.template_kwargs {
-            if name != "messages" {
-                vars.insert(Value::from(name.as_str()), value.clone().into_value());
-            }
+        for (name, value) in filter_template_kwargs(&args.kwargs, template.variables()) {
+            vars.insert(Value::from(name.as_str()), value.clone().into_value());
         }
 
         let rendered = template.render(Value::from(vars)).map_err(|e| match e {
             RenderError::Raised(m) => TokenizeError::TemplateRejected(m),
             RenderError::Failed(m) => TokenizeError::TemplateFailed(m),
         })?;
-        if chat.continue_final_message {
+        if args.continue_final_message {
             cut_at_continue_tag(&rendered, &last.content).ok_or(
                 TokenizeError::ContinueFinalMessage(
                     "the final message does not appear in the rendered prompt",
@@ -599,7 +622,7 @@ mod tests {
             [("bos_token".to_owned(), "<s>".to_owned())]
         );
         let plain = r#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#;
-        let tools = r#"{"model":"m","messages":[{"role":"user","content":"x"}],"tools":[{},{}]}"#;
+        let tools = r#"{"model":"m","messages":[{"role":"user","content":"x"}],"tools":[{"function":{"name":"a"}},{"function":{"name":"b"}}]}"#;
         assert_eq!(chat(&model, plain).unwrap(), "D<s>");
         assert_eq!(chat(&model, tools).unwrap(), "T2");
         let docs = ModelTokenizer {

@@ -8,7 +8,12 @@
 //! Completions prompts: a string is encoded; a list of token ids is used as is; a batch (list of
 //! strings, or list of token-id lists) routes on its FIRST prompt, since one request goes to one
 //! worker and the first prompt is the one the engine schedules first.
-//! `/v1/responses` is not handled (its `input` items need their own normalisation).
+//!
+//! Chat and responses bodies then go through vLLM's own request preprocessing (`vllm.rs`):
+//! tools re-serialised, reasoning effort, request fields over `chat_template_kwargs`; a chat
+//! with the prefill stage's `kv_transfer_params.prompt_token_ids` is those ids, as in vLLM.
+//! `/v1/responses` (`responses.rs`): `input` as a string or a list of messages,
+//! `instructions`, function tools, `reasoning.effort`; other input items route on load.
 
 use indexmap::IndexMap;
 use serde::Deserialize;
@@ -16,6 +21,8 @@ use serde::Deserialize;
 use super::error::TokenizeError;
 use super::json::Json;
 use super::messages::{Message, WireMessage};
+use super::responses::parse_responses;
+use super::vllm::{RequestArgs, TemplateArgs, dump_tools, reasoning_effort, template_args};
 
 /// The OpenAI endpoints whose prompts kv-epp can tokenize.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -24,6 +31,8 @@ pub enum Endpoint {
     ChatCompletions,
     /// `/v1/completions`.
     Completions,
+    /// `/v1/responses` (OpenAI Responses API).
+    Responses,
 }
 
 impl Endpoint {
@@ -34,6 +43,7 @@ impl Endpoint {
         match path.trim_end_matches('/') {
             "/v1/chat/completions" => Some(Endpoint::ChatCompletions),
             "/v1/completions" => Some(Endpoint::Completions),
+            "/v1/responses" => Some(Endpoint::Responses),
             _ => None,
         }
     }
@@ -69,18 +79,11 @@ pub enum Prompt {
 pub struct ChatPrompt {
     /// Normalised messages, never empty.
     pub messages: Vec<Message>,
-    /// `tools` as sent (`None` when absent or null; the template variable is then `none`).
-    pub tools: Option<Json>,
-    /// `documents` as sent (RAG templates read it; vLLM passes it through), else `None`.
-    pub documents: Option<Json>,
-    /// Default `true`.
-    pub add_generation_prompt: bool,
-    /// Default `false`.
-    pub continue_final_message: bool,
-    /// Default `false` for chat.
+    /// What `apply_chat_template` receives besides the messages, after vLLM's preprocessing.
+    pub args: TemplateArgs,
+    /// Whether the rendered prompt is encoded with the post-processor: `false` for chat
+    /// (vLLM's default), `true` for `/v1/responses` (its tokenize parameters keep the default).
     pub add_special_tokens: bool,
-    /// `chat_template_kwargs`: extra template variables that override all others.
-    pub template_kwargs: IndexMap<String, Json>,
 }
 
 #[derive(Deserialize)]
@@ -101,6 +104,85 @@ struct WireChat {
     add_special_tokens: Option<bool>,
     #[serde(default)]
     chat_template_kwargs: Option<IndexMap<String, Json>>,
+    #[serde(default)]
+    chat_template: Json,
+    #[serde(default)]
+    reasoning_effort: Json,
+    #[serde(default)]
+    kv_transfer_params: Json,
+    #[serde(default)]
+    echo: Option<bool>,
+}
+
+/// `has_non_text_content` (`vllm/renderers/chat_utils/chat_message.py`): a content part with a
+/// media key, a non-string `type` or a type that is not text; or a prompt-embeds reasoning.
+fn has_non_text_content(messages: &Json) -> bool {
+    const MEDIA_KEYS: [&str; 10] = [
+        "input_image",
+        "image_url",
+        "image_embeds",
+        "audio_embeds",
+        "video_embeds",
+        "prompt_embeds",
+        "image_pil",
+        "audio_url",
+        "input_audio",
+        "video_url",
+    ];
+    const TEXT_TYPES: [&str; 6] = [
+        "text",
+        "input_text",
+        "output_text",
+        "refusal",
+        "thinking",
+        "tool_reference",
+    ];
+    let Json::Array(messages) = messages else {
+        return false;
+    };
+    messages.iter().any(|m| {
+        let embeds = ["reasoning", "reasoning_content"].iter().any(|f| {
+            m.get(f).and_then(|r| r.get("type")).and_then(Json::as_str) == Some("prompt_embeds")
+        });
+        let Some(Json::Array(parts)) = m.get("content") else {
+            return embeds;
+        };
+        embeds
+            || parts.iter().any(|p| {
+                let Json::Object(fields) = p else {
+                    return false;
+                };
+                MEDIA_KEYS.iter().any(|k| fields.contains_key(*k))
+                    || match fields.get("type") {
+                        None => false,
+                        Some(Json::Str(t)) => !TEXT_TYPES.contains(&t.as_str()),
+                        Some(_) => true,
+                    }
+            })
+    })
+}
+
+/// `_reused_prompt_token_ids` (`vllm/renderers/online_renderer.py`): in disaggregated serving
+/// the prefill stage's ids ride in `kv_transfer_params.prompt_token_ids`, and vLLM uses them
+/// instead of rendering, unless `echo` is set or a message has non-text content. Errors (400):
+/// not a non-empty list of non-negative integers.
+fn reused_prompt_token_ids(
+    kv_transfer_params: &Json,
+    echo: bool,
+    raw_messages: &Json,
+) -> Result<Option<Vec<u32>>, TokenizeError> {
+    let Some(ids) = kv_transfer_params.get("prompt_token_ids") else {
+        return Ok(None);
+    };
+    if ids.is_null() || echo || has_non_text_content(raw_messages) {
+        return Ok(None);
+    }
+    match ids {
+        Json::Array(items) if !items.is_empty() => token_ids(items.clone()).map(Some),
+        _ => Err(TokenizeError::InvalidPrompt(
+            "kv_transfer_params.prompt_token_ids must be a non-empty list of non-negative integers",
+        )),
+    }
 }
 
 #[derive(Deserialize)]
@@ -120,6 +202,20 @@ pub fn parse_request(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, T
         Endpoint::ChatCompletions => {
             let wire: WireChat = serde_json::from_slice(body)?;
             let model = wire.model.ok_or(TokenizeError::MissingModel)?;
+            if wire.kv_transfer_params.get("prompt_token_ids").is_some() {
+                // Only then are the raw messages needed (has_non_text_content).
+                let raw: Json = serde_json::from_slice(body)?;
+                let messages = raw.get("messages").cloned().unwrap_or_default();
+                let echo = wire.echo.unwrap_or(false);
+                if let Some(ids) =
+                    reused_prompt_token_ids(&wire.kv_transfer_params, echo, &messages)?
+                {
+                    return Ok(ParsedRequest {
+                        model,
+                        prompt: Prompt::TokenIds(ids),
+                    });
+                }
+            }
             let messages = wire
                 .messages
                 .filter(|m| !m.is_empty())
@@ -127,16 +223,29 @@ pub fn parse_request(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, T
                 .into_iter()
                 .map(Message::from_wire)
                 .collect::<Result<Vec<_>, _>>()?;
+            let add_generation_prompt = wire.add_generation_prompt.unwrap_or(true);
+            let continue_final_message = wire.continue_final_message.unwrap_or(false);
+            if add_generation_prompt && continue_final_message {
+                // ChatCompletionRequest.check_generation_prompt refuses it before rendering.
+                return Err(TokenizeError::IncompatibleOptions(
+                    "continue_final_message and add_generation_prompt cannot both be set",
+                ));
+            }
+            let args = template_args(RequestArgs {
+                add_generation_prompt,
+                continue_final_message,
+                documents: wire.documents,
+                reasoning_effort: reasoning_effort(wire.reasoning_effort)?,
+                tools: dump_tools(wire.tools)?,
+                user_kwargs: wire.chat_template_kwargs,
+                request_chat_template: !wire.chat_template.is_null(),
+            })?;
             Ok(ParsedRequest {
                 model,
                 prompt: Prompt::Chat(Box::new(ChatPrompt {
                     messages,
-                    tools: (!wire.tools.is_null()).then_some(wire.tools),
-                    documents: (!wire.documents.is_null()).then_some(wire.documents),
-                    add_generation_prompt: wire.add_generation_prompt.unwrap_or(true),
-                    continue_final_message: wire.continue_final_message.unwrap_or(false),
+                    args,
                     add_special_tokens: wire.add_special_tokens.unwrap_or(false),
-                    template_kwargs: wire.chat_template_kwargs.unwrap_or_default(),
                 })),
             })
         }
@@ -149,6 +258,7 @@ pub fn parse_request(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, T
                 prompt: completion_prompt(wire.prompt, add_special_tokens)?,
             })
         }
+        Endpoint::Responses => parse_responses(body),
     }
 }
 
@@ -233,8 +343,8 @@ mod tests {
         let Prompt::Chat(chat) = r.prompt else {
             panic!()
         };
-        assert!(chat.add_generation_prompt && !chat.add_special_tokens);
-        assert!(!chat.continue_final_message && chat.tools.is_none());
+        assert!(chat.args.add_generation_prompt && !chat.add_special_tokens);
+        assert!(!chat.args.continue_final_message && chat.args.tools.is_none());
         assert!(matches!(
             parse(
                 Endpoint::ChatCompletions,

@@ -17,7 +17,7 @@ use minijinja::value::ValueKind;
 use minijinja::{Environment, Error, ErrorKind, Output, State, Value};
 
 use super::pystr::{py_rstrip, py_strip, trim_filter, unknown_method};
-use super::{pyjson, strftime};
+use super::{pyjson, strftime, vllm};
 
 /// Name of the single template in the environment.
 const NAME: &str = "chat_template";
@@ -70,6 +70,13 @@ pub(crate) struct ChatTemplate {
     env: Environment<'static>,
     /// transformers refuses `continue_final_message` when the source never mentions `content`.
     mentions_content: bool,
+    /// The variables the template reads without setting them (vLLM passes only those of the
+    /// request's `chat_template_kwargs`).
+    variables: std::collections::HashSet<String>,
+    /// vLLM keeps `developer` messages for this template (see `vllm::supports_developer_role`).
+    supports_developer: bool,
+    /// The template iterates over message content (see `vllm::reads_content_parts`).
+    reads_content_parts: bool,
 }
 
 impl fmt::Debug for ChatTemplate {
@@ -96,10 +103,16 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", |fmt: &str| strftime::strftime_now(fmt));
         let mentions_content = source.contains("content");
+        let supports_developer = vllm::supports_developer_role(&source);
+        let reads_content_parts = vllm::reads_content_parts(&source);
         env.add_template_owned(NAME, source)?;
+        let variables = env.get_template(NAME)?.undeclared_variables(false);
         Ok(ChatTemplate {
             env,
             mentions_content,
+            variables,
+            supports_developer,
+            reads_content_parts,
         })
     }
 
@@ -115,6 +128,21 @@ impl ChatTemplate {
     /// Whether the source mentions `content` (a precondition of `continue_final_message`).
     pub(crate) fn mentions_content(&self) -> bool {
         self.mentions_content
+    }
+
+    /// The variables the template reads without setting them.
+    pub(crate) fn variables(&self) -> &std::collections::HashSet<String> {
+        &self.variables
+    }
+
+    /// Whether vLLM keeps `developer` messages for this template.
+    pub(crate) fn supports_developer(&self) -> bool {
+        self.supports_developer
+    }
+
+    /// Whether the template iterates over message content (vLLM's "openai" content format).
+    pub(crate) fn reads_content_parts(&self) -> bool {
+        self.reads_content_parts
     }
 }
 
@@ -208,5 +236,50 @@ mod tests {
             Some("<a>hi")
         );
         assert_eq!(cut_at_continue_tag("<a>hi</a>", "hi"), None);
+    }
+}
+
+#[cfg(test)]
+mod variable_tests {
+    use super::*;
+
+    /// The variables vLLM's `_resolve_chat_template_kwargs` (jinja2's
+    /// `find_undeclared_variables`) finds in these templates; kwargs outside them are dropped.
+    #[test]
+    fn undeclared_variables_as_jinja2_finds_them() {
+        let cases: [(&str, &[&str]); 5] = [
+            (
+                "{% macro f(a) %}{{ a }}{{ in_macro }}{% endmacro %}{{ f(1) }}",
+                &["in_macro"],
+            ),
+            (
+                "{% if flag is defined and flag %}{{ x }}{% endif %}{% set y = 1 %}{{ y }}",
+                &["flag", "x"],
+            ),
+            (
+                "{% set ns = namespace(a=seed) %}{% for m in messages %}{{ m.content }}{% endfor %}",
+                &["seed", "messages"],
+            ),
+            (
+                "{% if date is not defined %}{% set date = 'd' %}{% endif %}{{ date }}",
+                &["date"],
+            ),
+            (
+                "{% for i in items %}{{ loop.index }}{% endfor %}",
+                &["items"],
+            ),
+        ];
+        for (src, want) in cases {
+            let t = ChatTemplate::compile(src.to_owned()).unwrap();
+            for name in want {
+                assert!(t.variables().contains(*name), "{src}: {name} missing");
+            }
+            for name in ["y", "a", "m", "i", "loop"] {
+                assert!(
+                    !t.variables().contains(name),
+                    "{src}: {name} is not undeclared"
+                );
+            }
+        }
     }
 }

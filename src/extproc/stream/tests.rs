@@ -53,6 +53,7 @@ fn opts() -> StreamOptions {
         retry_after_seconds: 2,
         conformance_hooks: true,
         body_budget: BodyBudget::new(1 << 30, Default::default()),
+        flow: None,
     }
 }
 
@@ -506,6 +507,7 @@ fn a_body_over_the_shared_budget_gets_503_and_every_exit_returns_its_bytes() {
     let budget = BodyBudget::new(40, Default::default());
     let opts = StreamOptions {
         body_budget: budget.clone(),
+        flow: None,
         ..opts()
     };
     let mut a = r.handler_with(opts.clone());
@@ -594,4 +596,91 @@ fn the_response_is_done_at_its_end_of_stream() {
     })
     .unwrap();
     assert!(h.response_done());
+}
+
+#[test]
+fn an_unrenderable_chat_is_routed_on_load_and_counted_by_reason() {
+    let fixtures = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokenizer");
+    let yaml = format!(
+        "models: [{{name: m, block_size: 4, tokenizer: {{path: '{fixtures}/small-bpe', chat_template: '{fixtures}/templates/llama3.jinja'}}}}]
+workers: [{{endpoint: '10.0.0.1:8000', model: m}}]"
+    );
+    let c = Config::from_yaml(&yaml).unwrap();
+    c.validate().unwrap();
+    let metrics = Arc::new(Metrics::new());
+    let r = Rig {
+        picker: Arc::new(c.picker(metrics.clone()).unwrap()),
+        metrics,
+    };
+    // llama3 raises on a conversation that starts with the assistant; vLLM would answer 400
+    // itself, kv-epp lets it decide.
+    let raises = br#"{"model":"m","messages":[{"role":"assistant","content":"a"},{"role":"user","content":"b"}]}"#;
+    for _ in 0..2 {
+        let mut h = r.handler();
+        h.on_message(headers(
+            &[(":path", "/v1/chat/completions")],
+            false,
+            FULL_DUPLEX,
+        ))
+        .unwrap();
+        let out = h.on_message(body(raises, true)).unwrap();
+        let (dest, _, bytes, _, _) = routing_of(&out);
+        assert_eq!(dest, "10.0.0.1:8000");
+        assert_eq!(bytes, raises);
+    }
+    let text = r.metrics.encode();
+    assert!(
+        text.contains(r#"kv_epp_unrenderable_total{model="m",reason="template_rejected"} 2"#),
+        "{text}"
+    );
+    assert!(
+        !r.metrics.unrenderable("m", "template_rejected"),
+        "logged once per model and reason"
+    );
+    let mut h = r.handler();
+    h.on_message(headers(
+        &[(":path", "/v1/chat/completions")],
+        false,
+        FULL_DUPLEX,
+    ))
+    .unwrap();
+    let out = h
+        .on_message(body(br#"{"model":"m","messages":[]}"#, true))
+        .unwrap();
+    assert_eq!(
+        immediate_status(&out).map(|i| i.0),
+        Some(400),
+        "malformed stays 400"
+    );
+}
+
+#[test]
+fn salted_requests_to_engines_without_salted_events_are_counted() {
+    let count = |r: &Rig| {
+        r.metrics
+            .encode()
+            .lines()
+            .find(|l| l.starts_with("kv_epp_unisolated_salted_requests_total{"))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let send = |r: &Rig, tenant: Option<&str>| {
+        let mut h = r.handler();
+        let hs: Vec<(&str, &str)> = tenant.map(|t| ("x-tenant-id", t)).into_iter().collect();
+        h.on_message(headers(&hs, false, FULL_DUPLEX)).unwrap();
+        let out = h
+            .on_message(body(br#"{"model":"m","prompt":[1,2,3,4]}"#, true))
+            .unwrap();
+        assert!(immediate_status(&out).is_none(), "routed");
+    };
+    // Engines whose events carry no salt: each salted request is counted, unsalted ones are not.
+    let r = router("events: {engine: sglang, salted_events: false}\n");
+    send(&r, Some("tenant-a"));
+    send(&r, None);
+    send(&r, Some("tenant-b"));
+    assert_eq!(count(&r), 2);
+    // The default: salts are in the events, nothing to count.
+    let r = router("events: {engine: sglang}\n");
+    send(&r, Some("tenant-a"));
+    assert_eq!(count(&r), 0);
 }

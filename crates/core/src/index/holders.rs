@@ -1,22 +1,26 @@
 //! The holder table: sequence hash → the workers (and tiers) that hold that prefix.
 //!
 //! A multimap stored as open addressing with linear probing: one slot per (prefix, worker) pair,
-//! all pairs of one prefix in the same probe run. Slots are two parallel arrays of atomics (8-byte
+//! all pairs of one prefix in the same probe run. A slot is 12 bytes of atomics (8-byte
 //! key, 4-byte holder), so a pair costs 12 bytes divided by the load factor.
 //!
 //! Concurrency: the table is split into a few shards by the key's top bits (few, so that each
-//! shard's array is large enough for huge pages). Writers take the shard's
-//! mutex; readers take no lock at all. Each shard has a sequence lock (version counter, odd while a
-//! write is in progress): a reader records the version, reads the slots with relaxed atomic loads,
-//! and retries if the version moved. Growing a shard publishes a new table through an epoch-managed
-//! pointer, so a reader that still holds the old table reads valid (if stale) memory and then
-//! retries. Readers therefore never block writers and never block each other, and they keep the
-//! memory-level parallelism of plain loads (no locked instruction per lookup).
+//! shard's array is large enough for huge pages). Writers take the shard's mutex; readers take no
+//! lock and never wait, retry or spin: a slot's key is written before its holder is published
+//! (release/acquire) and never changes while the slot is in that table, and pairs never move
+//! inside a table. A removed pair leaves a tombstone that keeps its key (only a pair of the same
+//! key may take it again), so a probe run never breaks under a reader. Growing, shrinking or
+//! clearing tombstones builds a new table while readers keep reading the old one (the writer
+//! holds the mutex, so the old one no longer changes), then publishes it through an
+//! epoch-managed pointer; the old table is freed once no reader can hold it, and the writer
+//! drives that reclamation itself, so retired tables do not wait for some other thread's
+//! activity. A reader therefore sees, for each key, the holders of one moment during its lookup.
 //!
-//! Invariants: a holder value of 0 marks an empty slot, so tiers are never 0 in a stored holder;
-//! at most one slot per (key, worker slot); every table keeps at least one empty slot.
+//! Invariants: a holder value of 0 marks an empty slot and [`TOMBSTONE`] a removed pair, so
+//! tiers are never 0 in a stored holder; at most one live slot per (key, worker slot); a slot's
+//! key never changes while it is non-empty; every table keeps at least one empty slot.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
 use parking_lot::Mutex;
@@ -25,6 +29,14 @@ use parking_lot::Mutex;
 pub const SHARDS: usize = 8;
 const SHARD_BITS: u32 = SHARDS.trailing_zeros();
 const MIN_CAPACITY: usize = 64;
+/// Most slots (live or tombstone) a table may fill, as a fraction. A lookup of a multimap reads
+/// its whole probe run (to the first empty slot), whose expected length grows as
+/// 1/(1 - load)²: ~32 slots at 7/8, ~8 at 3/4.
+const MAX_LOAD: (usize, usize) = (3, 4);
+/// The holder value of a removed pair: its key stays, so probe runs stay whole for readers.
+pub const TOMBSTONE: u32 = u32::MAX;
+/// Worker slots a holder can carry (the all-ones slot is the tombstone's).
+pub const MAX_SLOTS: u32 = (1 << 30) - 1;
 
 /// A stored holder: worker slot in the high 30 bits, tier mask in the low 2.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,7 +45,7 @@ pub struct Holder(pub u32);
 impl Holder {
     /// Packs a worker slot and a non-empty tier mask.
     pub fn new(slot: u32, tiers: u8) -> Holder {
-        debug_assert!(tiers & 0b11 != 0 && slot < (1 << 30));
+        debug_assert!(tiers & 0b11 != 0 && slot < MAX_SLOTS);
         Holder((slot << 2) | u32::from(tiers & 0b11))
     }
     /// The worker slot.
@@ -62,13 +74,14 @@ impl Slot {
     }
     #[inline]
     fn holder(&self) -> u32 {
-        self.holder.load(Ordering::Relaxed)
+        self.holder.load(Ordering::Acquire)
     }
+    /// Fills an empty slot: the key first, then the holder that publishes it.
     #[inline]
     fn set(&self, key: u64, holder: u32) {
         self.key_lo.store(key as u32, Ordering::Relaxed);
         self.key_hi.store((key >> 32) as u32, Ordering::Relaxed);
-        self.holder.store(holder, Ordering::Relaxed);
+        self.holder.store(holder, Ordering::Release);
     }
 }
 
@@ -216,14 +229,44 @@ impl Drop for SlotArray {
 }
 
 struct ShardState {
-    /// Occupied slots.
+    /// Live pairs.
     len: usize,
+    /// Non-empty slots: live pairs and tombstones.
+    used: usize,
 }
 
 struct Shard {
     writer: Mutex<ShardState>,
-    version: AtomicU64,
     table: Atomic<Table>,
+}
+
+/// Tables replaced but not yet freed (all holder tables of the process).
+static RETIRED: AtomicUsize = AtomicUsize::new(0);
+
+/// The smallest table for `live` pairs at most half full (the size a shrinking table takes).
+fn capacity_for(live: usize) -> usize {
+    (live * 2).next_power_of_two().max(MIN_CAPACITY)
+}
+
+/// Frees retired tables that no reader can hold any more. Each round publishes this thread's
+/// deferred frees and tries to advance the epoch; a reader pinned in a query (microseconds)
+/// holds it back, so a few rounds suffice; the bound keeps a writer from waiting on a reader
+/// that was descheduled mid-query (the next round, on any thread, frees them then).
+pub fn reclaim_retired() {
+    for round in 0..256 {
+        if RETIRED.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        epoch::pin().flush();
+        if round >= 8 {
+            std::thread::yield_now();
+        }
+    }
+}
+
+/// Tables replaced and not yet freed, process-wide.
+pub fn retired_tables() -> usize {
+    RETIRED.load(Ordering::Acquire)
 }
 
 /// The sharded holder multimap of one model.
@@ -251,38 +294,12 @@ fn mix(x: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// Writes to a shard inside one sequence-lock critical section.
-struct WriteSection<'a> {
-    shard: &'a Shard,
-    start: u64,
-}
-
-impl<'a> WriteSection<'a> {
-    fn begin(shard: &'a Shard) -> Self {
-        let start = shard.version.load(Ordering::Relaxed);
-        shard
-            .version
-            .store(start.wrapping_add(1), Ordering::Relaxed);
-        fence(Ordering::Release);
-        WriteSection { shard, start }
-    }
-}
-
-impl Drop for WriteSection<'_> {
-    fn drop(&mut self) {
-        self.shard
-            .version
-            .store(self.start.wrapping_add(2), Ordering::Release);
-    }
-}
-
 impl HolderTable {
     /// An empty table.
     pub fn new() -> Self {
         let shards = (0..SHARDS)
             .map(|_| Shard {
-                writer: Mutex::new(ShardState { len: 0 }),
-                version: AtomicU64::new(0),
+                writer: Mutex::new(ShardState { len: 0, used: 0 }),
                 table: Atomic::new(Table::with_capacity(MIN_CAPACITY)),
             })
             .collect();
@@ -301,55 +318,95 @@ impl HolderTable {
     /// Adds `tiers` for worker `slot` under `key`.
     pub fn insert(&self, key: u64, slot: u32, tiers: u8) -> Inserted {
         let (shard, m) = self.locate(key);
-        let mut state = shard.writer.lock();
-        let guard = epoch::pin();
-        let _section = WriteSection::begin(shard);
-        // SAFETY: only writers holding `writer` replace the table, and we hold it.
-        let mut table = unsafe { shard.table.load(Ordering::Relaxed, &guard).deref() };
-        let mut i = m as usize & table.mask;
-        loop {
-            let h = table.slots[i].holder();
-            if h == 0 {
-                break;
-            }
-            if table.slots[i].key() == key && Holder(h).slot() == slot {
-                let merged = Holder::new(slot, Holder(h).tiers() | tiers);
-                table.slots[i].holder.store(merged.0, Ordering::Relaxed);
-                return Inserted::Merged;
-            }
-            i = (i + 1) & table.mask;
-        }
-        if (state.len + 1) * 8 > table.slots.len() * 7 {
-            table = Self::grow(shard, table, &guard, self.secret);
-            i = m as usize & table.mask;
-            while table.slots[i].holder() != 0 {
+        let rebuilt = {
+            let mut state = shard.writer.lock();
+            let guard = epoch::pin();
+            // SAFETY: only writers holding `writer` replace the table, and we hold it.
+            let mut table = unsafe { shard.table.load(Ordering::Relaxed, &guard).deref() };
+            let mut i = m as usize & table.mask;
+            let mut reusable = None;
+            loop {
+                let h = table.slots[i].holder();
+                if h == 0 {
+                    break;
+                }
+                if table.slots[i].key() == key {
+                    if h == TOMBSTONE {
+                        reusable.get_or_insert(i);
+                    } else if Holder(h).slot() == slot {
+                        let merged = Holder::new(slot, Holder(h).tiers() | tiers);
+                        table.slots[i].holder.store(merged.0, Ordering::Release);
+                        return Inserted::Merged;
+                    }
+                }
                 i = (i + 1) & table.mask;
             }
+            let holder = Holder::new(slot, tiers).0;
+            state.len += 1;
+            if let Some(t) = reusable {
+                // A tombstone of the same key: its key is already right for any reader.
+                table.slots[t].holder.store(holder, Ordering::Release);
+                return Inserted::NewPair;
+            }
+            let mut rebuilt = false;
+            if (state.used + 1) * MAX_LOAD.1 > table.slots.len() * MAX_LOAD.0 {
+                // Doubles when at least half the slots are live, else only drops tombstones:
+                // the size then depends on the peak held, not on the order of past writes.
+                let cap = table.slots.len();
+                let cap = if state.len * 2 >= cap { cap * 2 } else { cap };
+                table = self.rebuild(shard, &mut state, table, cap, &guard);
+                rebuilt = true;
+                i = m as usize & table.mask;
+                while table.slots[i].holder() != 0 {
+                    i = (i + 1) & table.mask;
+                }
+            }
+            table.slots[i].set(key, holder);
+            state.used += 1;
+            rebuilt
+        };
+        if rebuilt {
+            reclaim_retired();
         }
-        table.slots[i].set(key, Holder::new(slot, tiers).0);
-        state.len += 1;
         Inserted::NewPair
     }
 
-    /// Doubles a shard's table. Caller holds the shard's writer lock inside a write section.
-    fn grow<'g>(shard: &Shard, old: &Table, guard: &'g Guard, secret: u64) -> &'g Table {
-        let new = Table::with_capacity(old.slots.len() * 2);
+    /// Copies the live pairs into a new table of `cap` slots (dropping tombstones) and publishes
+    /// it. Readers keep reading the old table meanwhile; it no longer changes (the caller holds
+    /// the shard's writer lock) and is freed once no reader can hold it.
+    fn rebuild<'g>(
+        &self,
+        shard: &Shard,
+        state: &mut ShardState,
+        old: &Table,
+        cap: usize,
+        guard: &'g Guard,
+    ) -> &'g Table {
+        let new = Table::with_capacity(cap);
         for slot in old.slots.iter() {
             let h = slot.holder();
-            if h == 0 {
+            if h == 0 || h == TOMBSTONE {
                 continue;
             }
             let k = slot.key();
-            let mut i = mix(k ^ secret) as usize & new.mask;
+            let mut i = mix(k ^ self.secret) as usize & new.mask;
             while new.slots[i].holder() != 0 {
                 i = (i + 1) & new.mask;
             }
             new.slots[i].set(k, h);
         }
-        let old_ptr = shard.table.swap(Owned::new(new), Ordering::Release, guard);
+        state.used = state.len;
+        let old_ptr = shard.table.swap(Owned::new(new), Ordering::AcqRel, guard);
+        RETIRED.fetch_add(1, Ordering::AcqRel);
         // SAFETY: the old table is unlinked; readers that still see it are pinned, so it is freed
         // only after they unpin.
-        unsafe { guard.defer_destroy(old_ptr) };
+        unsafe {
+            guard.defer_unchecked(move || {
+                drop(old_ptr.into_owned());
+                RETIRED.fetch_sub(1, Ordering::AcqRel);
+            });
+        }
+        guard.flush();
         // SAFETY: just stored; only writers (holding the lock) replace it.
         unsafe { shard.table.load(Ordering::Relaxed, guard).deref() }
     }
@@ -358,90 +415,70 @@ impl HolderTable {
     /// (`None` when the pair was not present; `Some(0)` when the pair is now gone).
     pub fn remove(&self, key: u64, slot: u32, tiers: u8) -> Option<u8> {
         let (shard, m) = self.locate(key);
-        let mut state = shard.writer.lock();
-        let guard = epoch::pin();
-        // SAFETY: see `insert`.
-        let table = unsafe { shard.table.load(Ordering::Relaxed, &guard).deref() };
-        let mut i = m as usize & table.mask;
-        loop {
-            let h = table.slots[i].holder();
-            if h == 0 {
-                return None;
-            }
-            if table.slots[i].key() == key && Holder(h).slot() == slot {
-                break;
-            }
-            i = (i + 1) & table.mask;
-        }
-        let _section = WriteSection::begin(shard);
-        let left = Holder(table.slots[i].holder()).tiers() & !tiers;
-        if left != 0 {
-            table.slots[i]
-                .holder
-                .store(Holder::new(slot, left).0, Ordering::Relaxed);
-            return Some(left);
-        }
-        self.delete_at(table, i);
-        state.len -= 1;
-        Some(0)
-    }
-
-    /// Backward-shift deletion: keeps every probe run free of holes without tombstones.
-    fn delete_at(&self, table: &Table, mut hole: usize) {
-        let mut j = hole;
-        loop {
-            j = (j + 1) & table.mask;
-            let h = table.slots[j].holder();
-            if h == 0 {
-                break;
-            }
-            let k = table.slots[j].key();
-            let home = mix(k ^ self.secret) as usize & table.mask;
-            // The entry at j may move to the hole unless its home lies cyclically in (hole, j].
-            let stays = if hole <= j {
-                hole < home && home <= j
-            } else {
-                hole < home || home <= j
-            };
-            if !stays {
-                table.slots[hole].set(k, h);
-                hole = j;
-            }
-        }
-        table.slots[hole].set(0, 0);
-    }
-
-    /// Appends every holder of `key` to `out` (a consistent snapshot of that key's pairs).
-    #[inline]
-    pub fn lookup(&self, key: u64, guard: &Guard, out: &mut Vec<Holder>) {
-        let (shard, m) = self.locate(key);
-        loop {
-            let v1 = shard.version.load(Ordering::Acquire);
-            if v1 & 1 == 1 {
-                std::hint::spin_loop();
-                continue;
-            }
-            // SAFETY: the pointer is always valid while pinned (replaced tables are deferred).
-            let table = unsafe { shard.table.load(Ordering::Acquire, guard).deref() };
-            let start = out.len();
+        let shrunk = {
+            let mut state = shard.writer.lock();
+            let guard = epoch::pin();
+            // SAFETY: see `insert`.
+            let table = unsafe { shard.table.load(Ordering::Relaxed, &guard).deref() };
             let mut i = m as usize & table.mask;
-            // A torn read can show a run with no empty slot; the bound stops us, the version
-            // check then sends us round again.
-            for _ in 0..=table.mask {
+            loop {
                 let h = table.slots[i].holder();
                 if h == 0 {
-                    break;
+                    return None;
                 }
-                if table.slots[i].key() == key {
-                    out.push(Holder(h));
+                if h != TOMBSTONE && table.slots[i].key() == key && Holder(h).slot() == slot {
+                    break;
                 }
                 i = (i + 1) & table.mask;
             }
-            fence(Ordering::Acquire);
-            if shard.version.load(Ordering::Relaxed) == v1 {
-                return;
+            let left = Holder(table.slots[i].holder()).tiers() & !tiers;
+            if left != 0 {
+                table.slots[i]
+                    .holder
+                    .store(Holder::new(slot, left).0, Ordering::Release);
+                return Some(left);
             }
-            out.truncate(start);
+            table.slots[i].holder.store(TOMBSTONE, Ordering::Release);
+            state.len -= 1;
+            // Memory follows what is held: a table a quarter of its useful size shrinks.
+            let cap = table.slots.len();
+            let shrink = cap > MIN_CAPACITY && state.len * 8 < cap;
+            if shrink {
+                let cap = capacity_for(state.len);
+                self.rebuild(shard, &mut state, table, cap, &guard);
+            }
+            shrink
+        };
+        if shrunk {
+            reclaim_retired();
+        }
+        Some(0)
+    }
+
+    /// Appends every holder of `key` to `out`: each pair as it stood at one moment of the
+    /// lookup. Never waits for a writer.
+    #[inline]
+    pub fn lookup(&self, key: u64, guard: &Guard, out: &mut Vec<Holder>) {
+        self.for_each(key, guard, |h| out.push(h));
+    }
+
+    /// Calls `f` with every holder of `key`, as [`HolderTable::lookup`] finds them.
+    #[inline]
+    pub fn for_each(&self, key: u64, guard: &Guard, mut f: impl FnMut(Holder)) {
+        let (shard, m) = self.locate(key);
+        // SAFETY: the pointer is always valid while pinned (replaced tables are deferred).
+        let table = unsafe { shard.table.load(Ordering::Acquire, guard).deref() };
+        let mut i = m as usize & table.mask;
+        // Every table keeps an empty slot; the bound is belt and braces.
+        for _ in 0..=table.mask {
+            let h = table.slots[i].holder();
+            if h == 0 {
+                break;
+            }
+            if h != TOMBSTONE && table.slots[i].key() == key {
+                f(Holder(h));
+            }
+            i = (i + 1) & table.mask;
         }
     }
 
@@ -555,7 +592,7 @@ mod tests {
     }
 
     #[test]
-    fn growth_and_backward_shift_keep_every_pair_findable() {
+    fn growth_tombstones_and_shrinking_keep_every_pair_findable() {
         let t = HolderTable::new();
         let n = 20_000u64;
         for k in 0..n {
@@ -574,6 +611,24 @@ mod tests {
             assert_eq!(holders(&t, k), want, "key {k}");
         }
         assert_eq!(t.len(), (n + n - n.div_ceil(3)) as usize);
+        // Removing everything leaves the smallest tables: memory follows what is held.
+        let grown = t.table_bytes();
+        for k in 0..n {
+            t.remove(k, (k % 5) as u32, 1);
+            t.remove(k, 9, 2);
+        }
+        assert!(t.is_empty());
+        assert_eq!(
+            t.table_bytes(),
+            SHARDS * MIN_CAPACITY * 12,
+            "from {grown} bytes"
+        );
+        // A removed pair comes back, on its tombstone or elsewhere, exactly once.
+        assert_eq!(t.insert(5, 1, 1), Inserted::NewPair);
+        assert_eq!(t.remove(5, 1, 1), Some(0));
+        assert_eq!(t.insert(5, 2, 1), Inserted::NewPair);
+        assert_eq!(t.insert(5, 1, 2), Inserted::NewPair);
+        assert_eq!(holders(&t, 5), vec![(1, 2), (2, 1)]);
     }
 
     #[test]

@@ -31,18 +31,20 @@
 //! whole (counted as evicted) and rebuilt from its next events.
 
 pub mod holders;
+pub mod sessions;
 pub mod worker_blocks;
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use crossbeam_epoch::{self as epoch, Atomic, Owned};
 use parking_lot::Mutex;
 
 use crate::hashing::{HashSeed, SequenceHash, chain, hash_block};
 use crate::worker::WorkerId;
-use holders::{Holder, HolderTable, Inserted};
+use holders::{HolderTable, Inserted};
+use sessions::SessionTails;
 use worker_blocks::{BlockEntry, UNKNOWN_NS, WorkerBlocks};
 pub use worker_blocks::{EngineBlockHash, ParentState};
 
@@ -84,6 +86,82 @@ pub struct Overlap {
     pub device_blocks: u32,
     /// Leading blocks held in any tier (device or offload); always ≥ `device_blocks`.
     pub total_blocks: u32,
+}
+
+/// A worker's slot in one index: a compact handle that [`KvIndex::worker_at`] resolves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WorkerSlot(pub u32);
+
+/// Device run not broken (yet): the device count equals the total.
+const UNBROKEN: u32 = u32::MAX;
+
+/// A query's answer in compact form, reusable across queries (it keeps its buffers).
+///
+/// Workers are kept in the order their runs ended, cut into groups that ended at the same
+/// block, so a worker costs one slot id and a group one pair, whatever the prompt's length.
+#[derive(Default)]
+pub struct QueryAnswer {
+    /// Worker slots, in the order their runs ended (shorter first).
+    order: Vec<u32>,
+    /// (end in `order`, leading blocks held in any tier), by increasing end.
+    groups: Vec<(u32, u32)>,
+    /// Per slot: leading device blocks when the device run ended first, else [`UNBROKEN`].
+    device: Vec<u32>,
+    /// Per slot: position in `order` (valid where `mark` equals `stamp`).
+    pos_of: Vec<u32>,
+    mark: Vec<u32>,
+    stamp: u32,
+    /// The registry version the answer was computed against.
+    version: u64,
+}
+
+impl QueryAnswer {
+    fn begin(&mut self, slots: usize) {
+        self.order.clear();
+        self.groups.clear();
+        if self.mark.len() < slots {
+            self.mark.resize(slots, 0);
+            self.pos_of.resize(slots, 0);
+            self.device.resize(slots, 0);
+        }
+        self.stamp = self.stamp.wrapping_add(1);
+        if self.stamp == 0 {
+            self.mark.iter_mut().for_each(|m| *m = 0);
+            self.stamp = 1;
+        }
+    }
+
+    /// Number of workers with an overlap.
+    pub fn len(&self) -> usize {
+        self.order.len()
+    }
+
+    /// Whether no worker holds the prompt's first block.
+    pub fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+
+    /// The most leading blocks any worker holds in any tier (0 when none).
+    pub fn best_total_blocks(&self) -> u32 {
+        self.groups.last().map_or(0, |g| g.1)
+    }
+
+    /// Every worker with an overlap: (slot, leading device blocks, leading blocks in any tier).
+    pub fn rows(&self) -> impl Iterator<Item = (WorkerSlot, u32, u32)> + '_ {
+        let mut start = 0usize;
+        self.groups.iter().flat_map(move |&(end, total)| {
+            let range = start..end as usize;
+            start = end as usize;
+            self.order[range].iter().map(move |&slot| {
+                let d = self.device[slot as usize];
+                (
+                    WorkerSlot(slot),
+                    if d == UNBROKEN { total } else { d },
+                    total,
+                )
+            })
+        })
+    }
 }
 
 /// Limits of one model's index.
@@ -182,14 +260,24 @@ struct WorkerEntry {
     id: WorkerId,
     slot: u32,
     blocks: Mutex<WorkerBlocks>,
+    /// Set (under `blocks`) when the worker is removed: a write that fetched this entry before
+    /// the removal must not put pairs under a slot that another worker may take later.
+    retired: AtomicBool,
+    /// Each engine session's newest stored block (see [`sessions`]).
+    sessions: Mutex<SessionTails>,
 }
 
 /// Copy-on-write worker registry, read lock-free by queries.
 #[derive(Default, Clone)]
 struct Registry {
     by_id: HashMap<WorkerId, Arc<WorkerEntry>>,
-    /// Slot → worker; slots are never reused, so a stale slot read by a query maps to `None`.
+    /// Slot → worker. A removed worker's slot is reused only after its pairs left the holder
+    /// table and every query that could have seen them has ended (an epoch grace period).
     by_slot: Vec<Option<WorkerId>>,
+    /// Per slot, the registry version at which its current worker took it.
+    taken_at: Vec<u64>,
+    /// Bumped by every change.
+    version: u64,
 }
 
 /// The index of one model.
@@ -199,28 +287,14 @@ pub struct KvIndex {
     holders: HolderTable,
     registry: Atomic<Registry>,
     registry_writer: Mutex<()>,
+    /// Slots of removed workers whose grace period has passed, ready for reuse.
+    free_slots: Arc<Mutex<Vec<u32>>>,
     pairs: AtomicUsize,
     counters: IndexCounters,
 }
 
 thread_local! {
-    static SCRATCH: std::cell::RefCell<QueryScratch> = std::cell::RefCell::new(QueryScratch::default());
-}
-
-#[derive(Default)]
-struct QueryScratch {
-    holders: Vec<Holder>,
-    /// Per slot: (position last seen + 1, device length, total length, alive bits).
-    state: Vec<SlotState>,
-    active: Vec<u32>,
-}
-
-#[derive(Clone, Copy, Default)]
-struct SlotState {
-    seen: u32,
-    device: u32,
-    total: u32,
-    alive: u8,
+    static ANSWER: std::cell::RefCell<QueryAnswer> = std::cell::RefCell::new(QueryAnswer::default());
 }
 
 /// How far ahead the query prefetches holder slots.
@@ -235,6 +309,7 @@ impl KvIndex {
             holders: HolderTable::new(),
             registry: Atomic::new(Registry::default()),
             registry_writer: Mutex::new(()),
+            free_slots: Arc::default(),
             pairs: AtomicUsize::new(0),
             counters: IndexCounters::default(),
         }
@@ -267,12 +342,15 @@ impl KvIndex {
         let guard = epoch::pin();
         // SAFETY: as in `with_registry`; we hold the writer lock, so nobody else replaces it.
         let mut next = unsafe { self.registry.load(Ordering::Acquire, &guard).deref() }.clone();
+        next.version += 1;
         f(&mut next);
         let old = self
             .registry
             .swap(Owned::new(next), Ordering::AcqRel, &guard);
         // SAFETY: unlinked above; pinned readers keep it alive until they unpin.
         unsafe { guard.defer_destroy(old) };
+        // Into the global queue, so an idle writer thread does not keep it in its own bag.
+        guard.flush();
     }
 
     fn entry(&self, worker: &WorkerId) -> Result<Arc<WorkerEntry>, IndexError> {
@@ -287,14 +365,25 @@ impl KvIndex {
             if r.by_id.contains_key(&id) {
                 return;
             }
-            let slot = r.by_slot.len() as u32;
-            r.by_slot.push(Some(id));
+            let slot = match self.free_slots.lock().pop() {
+                Some(slot) => slot,
+                None if r.by_slot.len() < holders::MAX_SLOTS as usize => {
+                    r.by_slot.push(None);
+                    r.taken_at.push(0);
+                    (r.by_slot.len() - 1) as u32
+                }
+                None => return, // 2^30 - 1 live workers: refuse rather than alias
+            };
+            r.by_slot[slot as usize] = Some(id);
+            r.taken_at[slot as usize] = r.version;
             r.by_id.insert(
                 id,
                 Arc::new(WorkerEntry {
                     id,
                     slot,
                     blocks: Mutex::new(WorkerBlocks::default()),
+                    retired: AtomicBool::new(false),
+                    sessions: Mutex::new(SessionTails::default()),
                 }),
             );
             added = true;
@@ -311,7 +400,23 @@ impl KvIndex {
                 *s = None;
             }
         });
-        self.drop_blocks(&entry, &mut entry.blocks.lock())
+        let dropped = {
+            let mut blocks = entry.blocks.lock();
+            entry.retired.store(true, Ordering::Relaxed);
+            let n = self.drop_blocks(&entry, &mut blocks);
+            *blocks = WorkerBlocks::default();
+            n
+        };
+        // Its pairs are gone; once every query that may have read them has ended, the slot can
+        // serve another worker.
+        let free = self.free_slots.clone();
+        let slot = entry.slot;
+        let guard = epoch::pin();
+        guard.defer(move || free.lock().push(slot));
+        guard.flush();
+        drop(guard);
+        holders::reclaim_retired();
+        dropped
     }
 
     /// The registered workers.
@@ -327,6 +432,7 @@ impl KvIndex {
     }
 
     fn drop_blocks(&self, entry: &WorkerEntry, blocks: &mut WorkerBlocks) -> usize {
+        entry.sessions.lock().clear();
         let drained = blocks.drain();
         for e in &drained {
             if e.ns() != UNKNOWN_NS && self.holders.remove(e.seq().0, entry.slot, 0b11).is_some() {
@@ -339,6 +445,22 @@ impl KvIndex {
     /// Blocks a worker holds (any tier, including unknown-namespace ones).
     pub fn worker_blocks(&self, id: &WorkerId) -> Result<usize, IndexError> {
         Ok(self.entry(id)?.blocks.lock().len())
+    }
+
+    /// Records that an engine session of `worker` last stored the block `tail` (an unknown
+    /// worker is ignored: its feed is stopping).
+    pub fn note_session(&self, worker: &WorkerId, session: &str, tail: EngineBlockHash) {
+        if let Ok(entry) = self.entry(worker) {
+            entry.sessions.lock().note(session, tail);
+        }
+    }
+
+    /// The newest block an engine session stored on `worker`, while the worker still holds it:
+    /// where that session's prefix lives (session affinity builds on it).
+    pub fn session_tail(&self, worker: &WorkerId, session: &str) -> Option<EngineBlockHash> {
+        let entry = self.entry(worker).ok()?;
+        let tail = entry.sessions.lock().tail(session)?;
+        entry.blocks.lock().get_mut(tail).is_some().then_some(tail)
     }
 
     /// How a continuation of `parent` on `worker` would be decoded.
@@ -367,6 +489,9 @@ impl KvIndex {
         }
         let entry = self.entry(worker)?;
         let mut blocks = entry.blocks.lock();
+        if entry.retired.load(Ordering::Relaxed) {
+            return Err(IndexError::UnknownWorker(*worker));
+        }
         let mut out = StoreOutcome::default();
         if blocks.len() + n > self.limits.max_blocks_per_worker {
             let dropped = self.drop_blocks(&entry, &mut blocks);
@@ -530,101 +655,128 @@ impl KvIndex {
     }
 
     /// For a prompt's prefix hashes, each worker's contiguous leading overlap. Workers with no
-    /// overlap are omitted. Cost: one holder lookup per block until no worker is left, with no
-    /// lock taken.
+    /// overlap are omitted. Cost: see [`KvIndex::query_compact`], plus one row per worker.
     pub fn query(&self, seqs: &[SequenceHash]) -> Vec<Overlap> {
-        if seqs.is_empty() {
-            return Vec::new();
-        }
+        let mut out = Vec::new();
+        self.query_into(seqs, &mut out);
+        out
+    }
+
+    /// [`KvIndex::query`] into a caller's buffer (cleared first), so a caller that keeps it
+    /// between queries allocates nothing once it is large enough.
+    pub fn query_into(&self, seqs: &[SequenceHash], results: &mut Vec<Overlap>) {
+        results.clear();
         let guard = epoch::pin();
         // SAFETY: see `with_registry`.
         let registry = unsafe { self.registry.load(Ordering::Acquire, &guard).deref() };
-        SCRATCH.with(|scratch| {
-            let mut s = scratch.borrow_mut();
-            let QueryScratch {
-                holders,
-                state,
-                active,
-            } = &mut *s;
-            if state.len() < registry.by_slot.len() {
-                state.resize(registry.by_slot.len(), SlotState::default());
+        ANSWER.with(|answer| {
+            let mut answer = answer.borrow_mut();
+            self.walk(seqs, registry, &guard, &mut answer);
+            results.extend(answer.rows().filter_map(|(slot, device, total)| {
+                let worker = (*registry.by_slot.get(slot.0 as usize)?)?;
+                Some(Overlap {
+                    worker,
+                    device_blocks: device,
+                    total_blocks: total,
+                })
+            }));
+        });
+    }
+
+    /// The same answer in compact form, into a caller's reusable [`QueryAnswer`]: worker slots
+    /// grouped by how many leading blocks they hold, so the cost follows the prompt's blocks and
+    /// the holders of each block that are still in the running, not workers × blocks. Resolve a
+    /// slot with [`KvIndex::worker_at`]. Takes no lock; never waits for a writer.
+    pub fn query_compact(&self, seqs: &[SequenceHash], answer: &mut QueryAnswer) {
+        let guard = epoch::pin();
+        // SAFETY: see `with_registry`.
+        let registry = unsafe { self.registry.load(Ordering::Acquire, &guard).deref() };
+        self.walk(seqs, registry, &guard, answer);
+    }
+
+    /// The worker of `slot` in `answer` (from [`KvIndex::query_compact`]): `None` when that
+    /// worker was removed since, including when its slot now serves another worker.
+    pub fn worker_at(&self, answer: &QueryAnswer, slot: WorkerSlot) -> Option<WorkerId> {
+        self.with_registry(|r| {
+            let i = slot.0 as usize;
+            if *r.taken_at.get(i)? > answer.version {
+                return None;
             }
-            active.clear();
-            for seq in seqs.iter().take(PREFETCH_DISTANCE) {
-                self.holders.prefetch(seq.0, &guard);
-            }
-            let mut results = Vec::new();
-            // A worker whose run of leading blocks ended: report it and reset its slot.
-            let finish = |slot: u32, state: &mut [SlotState], results: &mut Vec<Overlap>| {
-                let st = &mut state[slot as usize];
-                if let Some(Some(worker)) = registry.by_slot.get(slot as usize) {
-                    results.push(Overlap {
-                        worker: *worker,
-                        device_blocks: st.device,
-                        total_blocks: st.total,
-                    });
-                }
-                st.seen = 0;
-            };
-            for (pos, seq) in seqs.iter().enumerate() {
-                if let Some(ahead) = seqs.get(pos + PREFETCH_DISTANCE) {
-                    self.holders.prefetch(ahead.0, &guard);
-                }
-                holders.clear();
-                self.holders.lookup(seq.0, &guard, holders);
-                let mark = pos as u32 + 1;
-                for h in holders.iter() {
-                    let slot = h.slot() as usize;
-                    if slot >= state.len() {
-                        continue; // registered after this query began
-                    }
-                    let st = &mut state[slot];
-                    if pos == 0 {
-                        *st = SlotState {
-                            seen: mark,
-                            device: 0,
-                            total: 0,
-                            alive: 0b11,
-                        };
-                        active.push(slot as u32);
-                    } else if st.seen != pos as u32 {
-                        continue; // dropped out earlier (or never active)
-                    }
-                    st.seen = mark;
-                    if st.alive & 0b01 != 0 && h.tiers() & 0b01 != 0 {
-                        st.device += 1;
-                    } else {
-                        st.alive &= !0b01;
-                    }
-                    st.total += 1;
-                }
-                // Workers not seen at this position stop here.
-                active.retain(|&slot| {
-                    if state[slot as usize].seen == mark {
-                        return true;
-                    }
-                    finish(slot, state, &mut results);
-                    false
-                });
-                if active.is_empty() {
-                    break;
-                }
-            }
-            for &slot in active.iter() {
-                finish(slot, state, &mut results);
-            }
-            results
+            r.by_slot.get(i).copied().flatten()
         })
     }
 
+    fn walk(
+        &self,
+        seqs: &[SequenceHash],
+        registry: &Registry,
+        guard: &epoch::Guard,
+        a: &mut QueryAnswer,
+    ) {
+        let slots = registry.by_slot.len();
+        a.begin(slots);
+        a.version = registry.version;
+        let Some(first) = seqs.first() else { return };
+        for seq in seqs.iter().take(PREFETCH_DISTANCE) {
+            self.holders.prefetch(seq.0, guard);
+        }
+        let stamp = a.stamp;
+        self.holders.for_each(first.0, guard, |h| {
+            let slot = h.slot() as usize;
+            if slot >= slots || a.mark[slot] == stamp {
+                return; // registered after this query began
+            }
+            a.mark[slot] = stamp;
+            a.pos_of[slot] = a.order.len() as u32;
+            a.device[slot] = if h.tiers() & 0b01 != 0 { UNBROKEN } else { 0 };
+            a.order.push(slot as u32);
+        });
+        let mut live = 0usize;
+        for (pos, seq) in seqs.iter().enumerate().skip(1) {
+            if live == a.order.len() {
+                break;
+            }
+            if let Some(ahead) = seqs.get(pos + PREFETCH_DISTANCE) {
+                self.holders.prefetch(ahead.0, guard);
+            }
+            // Survivors move to the back of the live range; what stays in front ends here.
+            let mut back = a.order.len();
+            self.holders.for_each(seq.0, guard, |h| {
+                let slot = h.slot() as usize;
+                if slot >= slots || a.mark[slot] != stamp {
+                    return;
+                }
+                let i = a.pos_of[slot] as usize;
+                if i < live || i >= back {
+                    return; // ended earlier (or, defensively, already counted here)
+                }
+                back -= 1;
+                let other = a.order[back];
+                a.order.swap(i, back);
+                a.pos_of[other as usize] = i as u32;
+                a.pos_of[slot] = back as u32;
+                if h.tiers() & 0b01 == 0 && a.device[slot] == UNBROKEN {
+                    a.device[slot] = pos as u32;
+                }
+            });
+            if back > live {
+                a.groups.push((back as u32, pos as u32));
+            }
+            live = back;
+        }
+        if live < a.order.len() {
+            a.groups.push((a.order.len() as u32, seqs.len() as u32));
+        }
+    }
+
     /// The most leading blocks of `seqs` any one worker holds, in any tier (0 when none): the
-    /// best credit [`KvIndex::query`] can give a prompt. Same cost as `query`.
+    /// best credit [`KvIndex::query`] can give a prompt. Same cost as `query_compact`.
     pub fn best_total_blocks(&self, seqs: &[SequenceHash]) -> u32 {
-        self.query(seqs)
-            .iter()
-            .map(|o| o.total_blocks)
-            .max()
-            .unwrap_or(0)
+        ANSWER.with(|answer| {
+            let mut answer = answer.borrow_mut();
+            self.query_compact(seqs, &mut answer);
+            answer.best_total_blocks()
+        })
     }
 
     /// Heap bytes of the index's tables (holder slots and worker maps), for memory accounting.
@@ -715,6 +867,9 @@ impl KvIndex {
     ) -> Result<usize, IndexError> {
         let entry = self.entry(id)?;
         let mut blocks = entry.blocks.lock();
+        if entry.retired.load(Ordering::Relaxed) {
+            return Err(IndexError::UnknownWorker(*id));
+        }
         let mut restored = 0;
         for b in run {
             let tiers = b.tiers & 0b11;

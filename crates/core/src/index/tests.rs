@@ -1117,3 +1117,142 @@ proptest! {
         run_chain_ops(ops)?;
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Duplicate stores (vLLM's `kv_cache_report_mode="full"` re-emits stores of reused blocks) and
+// removals, in any order (issue #17 item 4).
+
+/// Chains of the duplicate test: (tenant, first token); two tenants share chain 0's tokens.
+const DUP_CHAINS: [(u8, u32); 3] = [(1, 100), (2, 100), (0, 200)];
+/// Blocks per chain.
+const DUP_BLOCKS: usize = 4;
+
+fn dup_tokens(chain: usize) -> Vec<u32> {
+    let first = DUP_CHAINS[chain].1;
+    (0..(DUP_BLOCKS * BS) as u32).map(|i| first + i).collect()
+}
+
+/// The engine hash of a chain's block: a content hash, so a re-emitted store names the same one.
+fn dup_hash(chain: usize, block: usize) -> u64 {
+    let t = dup_tokens(chain);
+    engine_hash(
+        Some(block as u64),
+        &t[..(block + 1) * BS],
+        DUP_CHAINS[chain].0,
+    )
+}
+
+#[derive(Clone, Debug)]
+enum DupOp {
+    /// The engine reports blocks `from..to` of a chain as stored (again), with their parent.
+    Store {
+        chain: usize,
+        from: usize,
+        to: usize,
+    },
+    /// The engine evicts one block.
+    Remove { chain: usize, block: usize },
+}
+
+fn dup_op() -> impl Strategy<Value = DupOp> {
+    let store = (0..DUP_CHAINS.len(), 0..DUP_BLOCKS, 1..=DUP_BLOCKS).prop_map(|(chain, a, len)| {
+        let from = a;
+        let to = (a + len).min(DUP_BLOCKS);
+        DupOp::Store { chain, from, to }
+    });
+    let remove = (0..DUP_CHAINS.len(), 0..DUP_BLOCKS)
+        .prop_map(|(chain, block)| DupOp::Remove { chain, block });
+    prop_oneof![3 => store, 2 => remove]
+}
+
+/// Per block: absent, held under its tenant's namespace, or held under the unknown one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Held {
+    Absent,
+    Trusted,
+    Unknown,
+}
+
+fn run_dup_ops(history: Vec<DupOp>, extra: Vec<DupOp>) -> Result<(), TestCaseError> {
+    let idx = one_worker();
+    let mut model = [[Held::Absent; DUP_BLOCKS]; DUP_CHAINS.len()];
+    // Every chain is first stored whole, then the shuffled history of duplicates and removals,
+    // then the extra ops (the same kinds, so duplicates land before and after removals).
+    let whole = (0..DUP_CHAINS.len()).map(|chain| DupOp::Store {
+        chain,
+        from: 0,
+        to: DUP_BLOCKS,
+    });
+    for op in whole.chain(history).chain(extra) {
+        match op {
+            DupOp::Store { chain, from, to } => {
+                let t = dup_tokens(chain);
+                let parent = from.checked_sub(1).map(|p| dup_hash(chain, p));
+                let hashes: Vec<u64> = (from..to).map(|b| dup_hash(chain, b)).collect();
+                let seed = tenant_seed(DUP_CHAINS[chain].0);
+                store_ns(
+                    &idx,
+                    parent,
+                    Some(seed),
+                    &hashes,
+                    &t[from * BS..to * BS],
+                    Medium::Device,
+                );
+                // The naive rule: a run's namespace is known when it starts a sequence or its
+                // parent is held under a trusted namespace; an absent block takes it, an unknown
+                // one is repaired by it, a trusted one keeps its own.
+                let known = from == 0 || model[chain][from - 1] == Held::Trusted;
+                for held in &mut model[chain][from..to] {
+                    *held = match (*held, known) {
+                        (Held::Trusted, _) | (_, true) => Held::Trusted,
+                        (Held::Absent | Held::Unknown, false) => Held::Unknown,
+                    };
+                }
+            }
+            DupOp::Remove { chain, block } => {
+                idx.remove(
+                    &w(1),
+                    &[EngineBlockHash(dup_hash(chain, block))],
+                    Medium::Device,
+                )
+                .unwrap();
+                model[chain][block] = Held::Absent;
+            }
+        }
+        for (chain, held) in model.iter().enumerate() {
+            let leading = held.iter().take_while(|h| **h == Held::Trusted).count() as u32;
+            let seed = tenant_seed(DUP_CHAINS[chain].0);
+            prop_assert_eq!(credit(&idx, &dup_tokens(chain), seed), (leading, leading));
+            // No other tenant is ever credited with this chain's tokens beyond its own chain.
+            for other in 0..3u8 {
+                let same_tokens = DUP_CHAINS.iter().enumerate().any(|(c, (t, f))| {
+                    *t == other && *f == DUP_CHAINS[chain].1 && model[c][0] == Held::Trusted
+                });
+                if !same_tokens {
+                    prop_assert_eq!(credit(&idx, &dup_tokens(chain), tenant_seed(other)), (0, 0));
+                }
+            }
+        }
+        let held: usize = model
+            .iter()
+            .flatten()
+            .filter(|h| **h != Held::Absent)
+            .count();
+        prop_assert_eq!(idx.worker_blocks(&w(1)).unwrap(), held);
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(seeded(300, 0x6475_706c))]
+    /// Duplicate stores are idempotent and removals exact, whatever the order: after every step
+    /// the index credits each chain with exactly its leading trusted blocks in the naive model,
+    /// and holds exactly the blocks the model holds.
+    #[test]
+    fn duplicates_and_removals_in_any_order_match_a_naive_model(
+        ops in prop::collection::vec(dup_op(), 0..30).prop_shuffle(),
+        extra in prop::collection::vec(dup_op(), 0..10),
+    ) {
+        run_dup_ops(ops, extra)?;
+    }
+}

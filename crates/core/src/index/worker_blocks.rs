@@ -235,7 +235,7 @@ impl WorkerBlocks {
 
     /// Empties the worker, returning every entry so the caller can unindex them.
     pub fn drain(&mut self) -> Vec<BlockEntry> {
-        let out = self.map.drain().map(|(_, e)| e).collect();
+        let out = std::mem::take(&mut self.map).into_values().collect();
         self.namespaces = Namespaces::default();
         out
     }

@@ -4,7 +4,8 @@
 //! kv-epp. Hit rates come from the workers' own `usage.prompt_tokens_details.cached_tokens`; TTFT
 //! is measured by the client (time to the first streamed token; the workers' latency model makes
 //! it grow with uncached prompt tokens and queueing). Nothing printed is computed rather than
-//! measured.
+//! measured. Then the other engines' event forms (SGLang's two salt encodings, TensorRT-LLM's
+//! ZeroMQ publisher) go through kv-epp one prompt each (`demo_engines.rs`).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -404,10 +405,12 @@ pub(crate) async fn run(
         if isolated { "no cross-tenant sharing" } else { "SHARED ACROSS TENANTS" }
     ));
     server.stop().await;
+    let (engines, engines_ok) = super::demo_engines::run(block_size).await?;
+    out.push_str(&engines);
     let failures = rr.failures + kv.failures;
-    if failures > 0 || !isolated {
+    if failures > 0 || !isolated || !engines_ok {
         return Err(format!(
-            "{out}\ndemo FAILED: {failures} failed requests, isolation {isolated}"
+            "{out}\ndemo FAILED: {failures} failed requests, isolation {isolated}, other engines {engines_ok}"
         ));
     }
     Ok(out)

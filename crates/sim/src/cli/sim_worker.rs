@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use kv_epp::config::Config;
 use kv_epp_sim::api::Served;
 use kv_epp_sim::engine::EngineConfig;
-use kv_epp_sim::events::{BatchEncoder, EventLayout, HashForm};
+use kv_epp_sim::events::{BatchEncoder, EventLayout, HashForm, SimEngine};
 use kv_epp_sim::latency::LatencyModel;
 use kv_epp_sim::publisher::PublisherConfig;
 use kv_epp_sim::server::{self, SimWorkerConfig};
@@ -42,6 +42,11 @@ pub(crate) struct SimWorkerArgs {
     /// Blocks in the KV pool.
     #[arg(long, default_value_t = 4096)]
     pub num_blocks: usize,
+    /// Which engine to simulate: `vllm`, `sglang` (salted stores carry the salt: array layout as
+    /// SGLang #30827, map layout as #37482; SGLang's cache_salt rule on the API) or `trtllm`
+    /// (TensorRT-LLM's ZeroMQ publisher: tagged maps, signed hashes, no salt).
+    #[arg(long, value_enum, default_value_t = SimEngine::Vllm)]
+    pub engine: SimEngine,
     /// Event layout: `map` (vLLM >= 0.26) or `array` (legacy).
     #[arg(long, value_enum, default_value_t = EventLayout::Map)]
     pub event_layout: EventLayout,
@@ -132,6 +137,7 @@ pub(crate) fn effective_config(args: &SimWorkerArgs) -> Result<SimWorkerConfig, 
         served: Served {
             model: args.model.clone(),
             lora_modules: lora_modules.clone(),
+            engine: args.engine,
         },
         engine: EngineConfig {
             num_blocks: args.num_blocks,
@@ -154,6 +160,7 @@ pub(crate) fn effective_config(args: &SimWorkerArgs) -> Result<SimWorkerConfig, 
             drop_fraction: args.drop_fraction,
             fault_seed: args.fault_seed,
             encoder: BatchEncoder {
+                engine: args.engine,
                 layout: args.event_layout,
                 hash_form: args.hash_form,
                 block_size,

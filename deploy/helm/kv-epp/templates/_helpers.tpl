@@ -209,7 +209,15 @@ file never disagree. */}}
 {{- if or (eq $engine "vllm") (eq $engine "sglang") }}
 {{- $_ := set $events "zmq" $c.events.zmq }}
 {{- else if eq $engine "trtllm" }}
-{{- $_ := set $events "trtllm" $c.events.trtllm }}
+{{- $trtllm := omit $c.events.trtllm "transport" }}
+{{- if eq ($c.events.trtllm.transport | default "http") "zmq" }}
+{{- $_ := set $trtllm "transport" "zmq" }}
+{{- $_ := set $events "zmq" $c.events.zmq }}
+{{- end }}
+{{- $_ := set $events "trtllm" $trtllm }}
+{{- end }}
+{{- if eq (toString $c.events.salted_events) "false" }}
+{{- $_ := set $events "salted_events" false }}
 {{- end }}
 {{- $out := dict
       "server" $server
@@ -220,6 +228,7 @@ file never disagree. */}}
         "model_label" $c.pool.model_label
         "api_unreachable_timeout_ms" (int64 $c.pool.api_unreachable_timeout_ms))
       "routing" $c.routing
+      "flow_control" $c.flow_control
       "scoring" $c.scoring
       "salt" $salt
       "index" $c.index

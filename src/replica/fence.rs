@@ -1,0 +1,388 @@
+//! Fencing of single-reader sources: ownership epochs, leases, and the stale-batch rule.
+//!
+//! Rendezvous hashing says which replica *should* own a TensorRT-LLM drain; this module makes
+//! sure at most one drains it even when replicas disagree for a while (a paused process, a cut
+//! link, a restart), with three rules:
+//!
+//! - **Claims with epochs.** A replica that should own a source claims it one epoch above every
+//!   epoch it has seen for that source, and shows the claim in `Hello`. It does not claim while
+//!   a peer it sees holds a claim on the source (that peer stands down first when it sees it is
+//!   no longer the owner), and it gives its own claim up as soon as it sees a higher
+//!   `(epoch, instance)` claim, or, while draining, any draining claim of a peer (that peer may
+//!   not see it: a one-way cut). A claim becomes active (draining) only after the handoff delay.
+//!   Replicas also pass on the highest draining claim they know per source, so one that cannot
+//!   reach a new owner learns it was superseded from a peer that can.
+//! - **Leases.** Every drain must be admitted ([`Fencing::admit`]): the claim is active and its
+//!   lease, renewed by each completed probe round to `round start + 2.5 probe intervals` (a
+//!   probe waits at most one interval), has not run out on the monotonic clock. A process that was paused (SIGSTOP, a GC pause, a throttled
+//!   or frozen host) finds its lease expired when it resumes and drains nothing until a probe
+//!   round started *after* the pause confirms it still owns the source; by then its peers, who
+//!   stop waiting for it after 3 intervals and then wait the 3-interval handoff, have not started
+//!   draining, or it sees their higher claim and stands down.
+//! - **Stale batches refused.** An activated claim names where the previous owner's batches end
+//!   (`prev`: its instance and the relay sequence this replica had reached); a relayed batch of a
+//!   superseded epoch at or beyond that point was drained after the handover and is refused by
+//!   every replica (the origin included), so a late drain cannot make replicas disagree.
+//!
+//! Pure bookkeeping under one lock; the caller does the I/O.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use parking_lot::Mutex;
+
+use kv_epp_core::worker::WorkerId;
+
+/// This replica's claim on a source.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Claim {
+    /// The ownership epoch.
+    pub epoch: u64,
+    /// Draining (the handoff is over).
+    pub active: bool,
+    /// The previous owner's instance and where its batches end.
+    pub prev: Option<(u64, u64)>,
+    /// Drains are admitted until then.
+    pub lease_until: Option<Instant>,
+    /// When we last cleared the source in our relay stream because a replica diverged on it.
+    pub cleared_at: Option<Instant>,
+}
+
+/// The highest active claim known for a source (ours or a peer's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Fence {
+    /// Its epoch.
+    pub epoch: u64,
+    /// The claiming replica.
+    pub owner: u64,
+    /// The owner before it and where that one's batches end.
+    pub prev: Option<(u64, u64)>,
+}
+
+/// What a drain is stamped with: the epoch it was admitted under and the previous owner's cut.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Ticket {
+    /// The ownership epoch (0: no replication, nothing to fence).
+    pub epoch: u64,
+    /// The previous owner and where its batches end.
+    pub prev: Option<(u64, u64)>,
+}
+
+#[derive(Default)]
+struct Inner {
+    claims: HashMap<WorkerId, Claim>,
+    /// Highest epoch seen per source, from anyone's claims or batches.
+    seen: HashMap<WorkerId, u64>,
+    fences: HashMap<WorkerId, Fence>,
+    /// Sources this replica holds refused events of.
+    diverged: std::collections::HashSet<WorkerId>,
+    /// The cut each source was last flagged diverged for.
+    flagged_cuts: HashMap<WorkerId, u64>,
+}
+
+/// Claims, leases and fences of one replica.
+pub(crate) struct Fencing {
+    instance: u64,
+    inner: Mutex<Inner>,
+}
+
+impl Fencing {
+    pub(crate) fn new(instance: u64) -> Fencing {
+        Fencing {
+            instance,
+            inner: Mutex::new(Inner::default()),
+        }
+    }
+
+    /// Our claim on `w`, if any.
+    pub(crate) fn claim_of(&self, w: &WorkerId) -> Option<Claim> {
+        self.inner.lock().claims.get(w).cloned()
+    }
+
+    /// Every claim of ours.
+    pub(crate) fn claims(&self) -> Vec<(WorkerId, Claim)> {
+        let st = self.inner.lock();
+        let mut v: Vec<(WorkerId, Claim)> =
+            st.claims.iter().map(|(w, c)| (*w, c.clone())).collect();
+        v.sort_by_key(|(w, _)| *w);
+        v
+    }
+
+    /// Claims `w` (pending) one above every epoch seen for it; an existing claim is kept.
+    pub(crate) fn claim(&self, w: WorkerId) -> u64 {
+        let mut st = self.inner.lock();
+        if let Some(c) = st.claims.get(&w) {
+            return c.epoch;
+        }
+        let epoch = st.seen.get(&w).copied().unwrap_or(0) + 1;
+        st.seen.insert(w, epoch);
+        st.claims.insert(
+            w,
+            Claim {
+                epoch,
+                active: false,
+                prev: None,
+                lease_until: None,
+                cleared_at: None,
+            },
+        );
+        epoch
+    }
+
+    /// Sources whose highest fence cuts this replica's own batches off: `(source, cut)`.
+    pub(crate) fn cut_off(&self) -> Vec<(WorkerId, u64)> {
+        let st = self.inner.lock();
+        st.fences
+            .iter()
+            .filter_map(|(w, f)| match f.prev {
+                Some((o, cut)) if o == self.instance && f.owner != self.instance => Some((*w, cut)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Notes that this replica holds events of `w` its peers refused (it drained beyond a
+    /// later owner's cut); reported in `Hello` until the owner's clear of `w` is applied.
+    pub(crate) fn set_diverged(&self, w: WorkerId, diverged: bool) {
+        let mut st = self.inner.lock();
+        if diverged {
+            st.diverged.insert(w);
+        } else {
+            st.diverged.remove(&w);
+        }
+    }
+
+    /// Flags `w` as diverged past `cut`, once per cut (a clear un-flags it for good).
+    pub(crate) fn flag_diverged_once(&self, w: WorkerId, cut: u64) -> bool {
+        let mut st = self.inner.lock();
+        if st.flagged_cuts.get(&w) == Some(&cut) {
+            return false;
+        }
+        st.flagged_cuts.insert(w, cut);
+        st.diverged.insert(w);
+        true
+    }
+
+    /// The sources this replica diverged on.
+    pub(crate) fn diverged(&self) -> Vec<WorkerId> {
+        self.inner.lock().diverged.iter().copied().collect()
+    }
+
+    /// Whether our active claim on `w` may clear it now (not within `every` of the last clear);
+    /// records the clear.
+    pub(crate) fn may_clear(&self, w: &WorkerId, now: Instant, every: std::time::Duration) -> bool {
+        let mut st = self.inner.lock();
+        match st.claims.get_mut(w) {
+            Some(c) if c.active && c.cleared_at.is_none_or(|t| now.duration_since(t) >= every) => {
+                c.cleared_at = Some(now);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The highest active claim known per source.
+    pub(crate) fn fences(&self) -> Vec<(WorkerId, Fence)> {
+        let st = self.inner.lock();
+        st.fences.iter().map(|(w, f)| (*w, *f)).collect()
+    }
+
+    /// Whether our claim on `w` is outranked by a higher active claim we know of (it can never
+    /// drain again: it must be given up and made anew above it).
+    pub(crate) fn superseded(&self, w: &WorkerId) -> bool {
+        let st = self.inner.lock();
+        match (st.claims.get(w), st.fences.get(w)) {
+            (Some(c), Some(f)) => (f.epoch, f.owner) > (c.epoch, self.instance),
+            _ => false,
+        }
+    }
+
+    /// Gives the claim on `w` up; its drains are no longer admitted.
+    pub(crate) fn release(&self, w: &WorkerId) -> bool {
+        self.inner.lock().claims.remove(w).is_some()
+    }
+
+    /// Makes our claim on `w` active, with the previous owner's cut and a first lease.
+    pub(crate) fn activate(&self, w: &WorkerId, prev: Option<(u64, u64)>, lease_until: Instant) {
+        let mut st = self.inner.lock();
+        let Some(c) = st.claims.get_mut(w) else {
+            return;
+        };
+        c.active = true;
+        c.prev = prev;
+        c.lease_until = Some(lease_until);
+        let fence = Fence {
+            epoch: c.epoch,
+            owner: self.instance,
+            prev,
+        };
+        raise(&mut st.fences, *w, fence);
+    }
+
+    /// The previous owner of `w` as far as this replica knows (the highest fence, if not ours).
+    pub(crate) fn previous_owner(&self, w: &WorkerId) -> Option<u64> {
+        let st = self.inner.lock();
+        st.fences
+            .get(w)
+            .map(|f| f.owner)
+            .filter(|&o| o != self.instance)
+    }
+
+    /// Extends the lease of our active claim on `w` to `until` (never shortens it), unless a
+    /// higher fence is known.
+    pub(crate) fn renew(&self, w: &WorkerId, until: Instant) {
+        let mut st = self.inner.lock();
+        let top = st.fences.get(w).copied();
+        let Some(c) = st.claims.get_mut(w) else {
+            return;
+        };
+        if top.is_some_and(|f| (f.epoch, f.owner) > (c.epoch, self.instance)) {
+            return;
+        }
+        if c.active && c.lease_until.is_none_or(|t| t < until) {
+            c.lease_until = Some(until);
+        }
+    }
+
+    /// Whether a drain of `w` may start now: our claim is active, its lease holds and no higher
+    /// claim is known. The ticket stamps the drain's batches.
+    pub(crate) fn admit(&self, w: &WorkerId, now: Instant) -> Option<Ticket> {
+        let st = self.inner.lock();
+        let c = st.claims.get(w)?;
+        if !c.active || c.lease_until.is_none_or(|t| now >= t) {
+            return None;
+        }
+        if st
+            .fences
+            .get(w)
+            .is_some_and(|f| (f.epoch, f.owner) > (c.epoch, self.instance))
+        {
+            return None;
+        }
+        Some(Ticket {
+            epoch: c.epoch,
+            prev: c.prev,
+        })
+    }
+
+    /// Notes a peer's claim (from its `Hello`): its epoch is seen, and an active one raises the
+    /// fence.
+    pub(crate) fn observe_claim(
+        &self,
+        w: WorkerId,
+        owner: u64,
+        epoch: u64,
+        active: bool,
+        prev: Option<(u64, u64)>,
+    ) {
+        let mut st = self.inner.lock();
+        let seen = st.seen.entry(w).or_insert(0);
+        *seen = (*seen).max(epoch);
+        if active {
+            raise(&mut st.fences, w, Fence { epoch, owner, prev });
+        }
+    }
+
+    /// Whether a relayed (or own) batch of `w` from `origin` at `seq`, drained under `ticket`,
+    /// may be applied. A batch of the highest epoch raises the fence; one of a superseded epoch
+    /// passes only if it comes before the cut its successor declared.
+    pub(crate) fn accept_batch(&self, w: WorkerId, origin: u64, seq: u64, ticket: Ticket) -> bool {
+        if ticket.epoch == 0 {
+            return true;
+        }
+        let mut st = self.inner.lock();
+        let seen = st.seen.entry(w).or_insert(0);
+        *seen = (*seen).max(ticket.epoch);
+        match st.fences.get(&w).copied() {
+            Some(f) if (ticket.epoch, origin) < (f.epoch, f.owner) => {
+                matches!(f.prev, Some((o, cut)) if o == origin && seq < cut)
+            }
+            _ => {
+                raise(
+                    &mut st.fences,
+                    w,
+                    Fence {
+                        epoch: ticket.epoch,
+                        owner: origin,
+                        prev: ticket.prev,
+                    },
+                );
+                true
+            }
+        }
+    }
+}
+
+fn raise(fences: &mut HashMap<WorkerId, Fence>, w: WorkerId, f: Fence) {
+    let e = fences.entry(w).or_insert(f);
+    if (f.epoch, f.owner) > (e.epoch, e.owner) {
+        *e = f;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn w() -> WorkerId {
+        WorkerId::new("10.0.0.1:8000".parse().unwrap())
+    }
+
+    #[test]
+    fn a_lapsed_lease_admits_nothing_until_renewed() {
+        let f = Fencing::new(1);
+        let t0 = Instant::now();
+        assert_eq!(f.claim(w()), 1);
+        assert!(f.admit(&w(), t0).is_none(), "pending claims do not drain");
+        f.activate(&w(), None, t0 + Duration::from_millis(400));
+        assert_eq!(f.admit(&w(), t0).unwrap().epoch, 1);
+        // Paused past the lease: nothing until a fresh probe round renews it.
+        let later = t0 + Duration::from_secs(3);
+        assert!(f.admit(&w(), later).is_none());
+        f.renew(&w(), later + Duration::from_millis(400));
+        assert!(f.admit(&w(), later).is_some());
+    }
+
+    #[test]
+    fn a_higher_claim_fences_the_old_owner_and_its_late_batches() {
+        let (old, new, third) = (1u64, 2u64, 3u64);
+        let o = Fencing::new(old);
+        let n = Fencing::new(new);
+        let r = Fencing::new(third);
+        let t = Instant::now() + Duration::from_secs(60);
+        o.claim(w());
+        o.activate(&w(), None, t);
+        let ot = o.admit(&w(), Instant::now()).unwrap();
+        for x in [&n, &r] {
+            assert!(x.accept_batch(w(), old, 0, ot));
+            assert!(x.accept_batch(w(), old, 1, ot));
+        }
+        // The new owner claims above what it saw, and cuts the old owner's batches at 2.
+        assert_eq!(n.claim(w()), 2);
+        n.activate(&w(), Some((old, 2)), t);
+        let nt = n.admit(&w(), Instant::now()).unwrap();
+        assert!(r.accept_batch(w(), new, 0, nt));
+        // A batch the old owner drained before the cut still counts; one after it does not,
+        // on every replica alike.
+        for x in [&n, &r] {
+            assert!(!x.accept_batch(w(), old, 2, ot));
+        }
+        assert!(r.accept_batch(w(), old, 1, ot), "before the cut");
+        // The old owner learns the higher claim and stops admitting drains.
+        o.observe_claim(w(), new, 2, true, Some((old, 2)));
+        assert!(o.admit(&w(), Instant::now()).is_none());
+        assert!(
+            !o.accept_batch(w(), old, 2, ot),
+            "its own late batch is refused too"
+        );
+        o.renew(&w(), t);
+        assert!(
+            o.admit(&w(), Instant::now()).is_none(),
+            "no renewal past a higher fence"
+        );
+        // A later claim by the old owner goes above everything seen.
+        o.release(&w());
+        assert_eq!(o.claim(w()), 3);
+    }
+}

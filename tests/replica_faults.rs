@@ -1,0 +1,306 @@
+//! Fault injection against replicas sharing TensorRT-LLM-style drains, black box: real
+//! `kv-epp serve` processes on loopback, two drain engines that record which process drained
+//! them (by socket owner, through `/proc`), and a TCP relay in front of one replica's peer port.
+//! While events keep coming, one scenario runs every fault in turn: a replica with the wrong
+//! peer token (then fixed in place, the old token as a second line), the owner frozen (SIGSTOP) for longer than every timeout then resumed, an owner
+//! killed (-9) and restarted, one replica's peer link cut and restored, and a late joiner.
+//! Throughout: never two replicas draining one engine at once, no engine without a poller for
+//! longer than the takeover bound the README documents, the wrong-token replica never drains,
+//! is not ready and says why; afterwards every replica holds the same index, and a fresh round
+//! arrives whole everywhere.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use common::replicas::{Cutter, DrainEngine, Replica, converge, ports, round};
+
+/// Probe interval of the test replicas (`Replica::spawn` sets it).
+const PROBE: Duration = Duration::from_millis(200);
+/// The README's takeover bound: an engine is without a poller for at most 15 probe intervals
+/// (4 unanswered probes, the 3-interval handoff, lease and scheduling slack on a busy machine).
+const TAKEOVER_INTERVALS: u32 = 15;
+/// How long a fault lasts: longer than every timeout (stale after 4 intervals, handoff 3, lease
+/// 2.5; relay streams' 5 s are not waited for).
+const FAULT: Duration = Duration::from_secs(3);
+
+fn body(engines: &[std::net::SocketAddr; 2]) -> String {
+    format!(
+        "events: {{engine: trtllm, trtllm: {{poll_interval_ms: 50}}}}\nworkers: [{{endpoint: '{}', model: m}}, {{endpoint: '{}', model: m}}]\n",
+        engines[0], engines[1]
+    )
+}
+
+/// The replica whose process drained `engine` last within the last second, if any.
+fn recent_poller(engine: &DrainEngine, names: &HashMap<u32, String>) -> Option<String> {
+    let d = engine.drains.lock().unwrap();
+    let (t, pid) = d.last()?;
+    (t.elapsed() < Duration::from_secs(1))
+        .then(|| pid.and_then(|p| names.get(&p).cloned()))
+        .flatten()
+}
+
+async fn wait_poller(engine: &DrainEngine, names: &HashMap<u32, String>, secs: u64) -> String {
+    wait_poller_among(engine, names, None, secs).await.1
+}
+
+/// Waits until one of `rs` (any process if `None`) drains `engine`; its index and name.
+async fn wait_poller_among(
+    engine: &DrainEngine,
+    names: &HashMap<u32, String>,
+    rs: Option<&[Replica]>,
+    secs: u64,
+) -> (usize, String) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(n) = recent_poller(engine, names) {
+            let Some(rs) = rs else { return (0, n) };
+            // Names are "<replica>#<pid>": only the running process of a replica counts.
+            if let Some(i) = rs
+                .iter()
+                .position(|r| r.pid().is_some_and(|p| n == format!("{}#{p}", r.name)))
+            {
+                return (i, n);
+            }
+        }
+        assert!(Instant::now() < deadline, "no replica drains the engine");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Checks one engine's drain log: every drain attributed (but one per kill, made by the process
+/// as it died: its descriptors were gone before the engine looked), no two processes
+/// interleaving (two pollers), no gap longer than `max_gap`. Returns the longest gap.
+fn check_drains(
+    which: &str,
+    drains: &[(Instant, Option<u32>)],
+    names: &HashMap<u32, String>,
+    killed: &[Instant],
+    max_gap: Duration,
+) -> Duration {
+    let unknown: Vec<Instant> = drains
+        .iter()
+        .filter(|(_, p)| p.is_none())
+        .map(|(t, _)| *t)
+        .collect();
+    let at_a_kill = |t: &Instant| {
+        killed.iter().any(|k| {
+            t.saturating_duration_since(*k) < Duration::from_secs(1)
+                && *t + Duration::from_secs(1) > *k
+        })
+    };
+    assert!(
+        unknown.len() <= killed.len() && unknown.iter().all(at_a_kill),
+        "{which}: {} drains by an unknown process, not at a kill",
+        unknown.len()
+    );
+    let seq: Vec<(Instant, u32)> = drains
+        .iter()
+        .filter_map(|(t, p)| Some((*t, (*p)?)))
+        .collect();
+    // Who drained, as runs: "a#12 x40, b#13 x3, ...".
+    let mut runs: Vec<(u32, usize)> = Vec::new();
+    for (_, p) in &seq {
+        match runs.last_mut() {
+            Some((q, n)) if q == p => *n += 1,
+            _ => runs.push((*p, 1)),
+        }
+    }
+    let runs: Vec<String> = runs
+        .iter()
+        .map(|(p, n)| format!("{} x{n}", names[p]))
+        .collect();
+    eprintln!("{which}: drained by {}", runs.join(", "));
+    // a ... b ... a within less than the 3-interval handoff: a cannot have stopped and taken
+    // the engine back in that time (a new owner waits the handoff before its first drain), so
+    // both were polling.
+    let window = PROBE * 3 - Duration::from_millis(100);
+    for (i, (t0, a)) in seq.iter().enumerate() {
+        let mut other = None;
+        for (t, p) in &seq[i + 1..] {
+            if t.duration_since(*t0) > window {
+                break;
+            }
+            match other {
+                None if p != a => other = Some(*p),
+                Some(b) if p == a => panic!(
+                    "{which}: {} and {} drained it at the same time",
+                    names[a], names[&b]
+                ),
+                _ => {}
+            }
+        }
+    }
+    let gap = seq
+        .windows(2)
+        .map(|w| w[1].0.duration_since(w[0].0))
+        .max()
+        .unwrap_or_default();
+    assert!(
+        gap <= max_gap,
+        "{which}: no poller for {gap:?} (bound {max_gap:?})"
+    );
+    gap
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faults_never_split_a_drain_nor_strand_an_engine() {
+    let engines = [DrainEngine::default(), DrainEngine::default()];
+    let addrs = [engines[0].start().await, engines[1].start().await];
+    let body = body(&addrs);
+    let ps = [ports(), ports(), ports(), ports()];
+    // c's peers reach it through a relay the test can cut (c reaches them directly).
+    let link_c = Cutter::start(format!("127.0.0.1:{}", ps[2].peer)).await;
+    let peers = [ps[0].peer, ps[1].peer, link_c.addr.port(), ps[3].peer];
+    let mut names: HashMap<u32, String> = HashMap::new();
+    let track = |r: &Replica, names: &mut HashMap<u32, String>| {
+        let pid = r.pid().unwrap();
+        names.insert(pid, format!("{}#{pid}", r.name));
+        for e in &engines {
+            e.watch(pid);
+        }
+    };
+    let mut rs: Vec<Replica> = ["a", "b", "c"]
+        .iter()
+        .zip(&ps)
+        .map(|(n, p)| Replica::spawn(n, p, &body, &peers))
+        .collect();
+    for r in &rs {
+        track(r, &mut names);
+    }
+    for r in &rs {
+        r.wait_ready(30).await;
+    }
+    let pushing = Arc::new(AtomicBool::new(true));
+    let pusher = {
+        let (engines, pushing) = (engines.clone(), pushing.clone());
+        tokio::spawn(async move {
+            let mut next = 1_000_000u64;
+            while pushing.load(Ordering::SeqCst) {
+                round(&engines, &mut next);
+                tokio::time::sleep(Duration::from_millis(60)).await;
+            }
+            next
+        })
+    };
+    let started = Instant::now();
+    for e in &engines {
+        wait_poller(e, &names, 15).await;
+    }
+    // Attribution starts once ownership settled: the first handoff is not a fault.
+    let settled = Instant::now();
+
+    // 1. A replica with the wrong peer token: refused, it stays not ready, owns nothing, says so.
+    let w = Replica::spawn_full("wrong", &ports(), &body, &peers, "", "not-the-peer-token");
+    track(&w, &mut names);
+    assert!(
+        common::eventually_async(20, || async {
+            w.status()
+                .await
+                .is_some_and(|s| s["token_refused"] == true && s["ready"] == false)
+        })
+        .await,
+        "the wrong-token replica reports it is refused:\n{}",
+        w.log_tail()
+    );
+    let ws = w.status().await.unwrap();
+    assert!(ws["refused_by"].as_array().unwrap().len() >= 3, "{ws}");
+    assert!(ws["counters"]["refused_by_peers"].as_u64().unwrap() > 0);
+    let warned = std::fs::read_to_string(&w.log).unwrap();
+    assert_eq!(
+        warned
+            .matches("every peer that answers refuses this replica's token")
+            .count(),
+        1,
+        "logged once"
+    );
+    assert!(
+        !warned.contains("not-the-peer-token"),
+        "the token is never logged"
+    );
+    // Its peers see it as refusing them, and stay ready.
+    for r in &rs {
+        let s = r.status().await.unwrap();
+        assert_eq!(s["ready"], true, "{}", r.name);
+    }
+    // The token file fixed in place, the old token kept as a second line (a rotation): picked
+    // up without a restart, the replica turns ready.
+    let fixed_at = Instant::now();
+    common::write_file(
+        &w.token,
+        format!("{}\nnot-the-peer-token\n", common::replicas::TOKEN),
+    );
+    w.wait_ready(20).await;
+    assert_eq!(w.status().await.unwrap()["token_refused"], false);
+    let wrong_pid = w.pid().unwrap();
+    drop(w);
+    let mut killed_at = vec![Instant::now()];
+
+    // 2. The owner of engine 0 frozen for longer than every timeout, then resumed.
+    let (frozen, _) = wait_poller_among(&engines[0], &names, Some(&rs), 15).await;
+    rs[frozen].signal("STOP");
+    tokio::time::sleep(FAULT).await;
+    rs[frozen].signal("CONT");
+    for r in &rs {
+        r.wait_ready(30).await;
+    }
+
+    // 3. The owner of engine 1 killed (-9) and restarted: a new instance.
+    let (killed, _) = wait_poller_among(&engines[1], &names, Some(&rs), 15).await;
+    rs[killed].kill();
+    killed_at.push(Instant::now());
+    tokio::time::sleep(FAULT).await;
+    rs[killed].restart();
+    track(&rs[killed], &mut names);
+    rs[killed].wait_ready(30).await;
+
+    // 4. c's peer link cut (its peers lose it, it still sees them), then restored.
+    link_c.set_cut(true);
+    tokio::time::sleep(FAULT).await;
+    link_c.set_cut(false);
+
+    // 5. A late joiner.
+    let d = Replica::spawn("d", &ps[3], &body, &peers);
+    track(&d, &mut names);
+    d.wait_ready(30).await;
+    rs.push(d);
+    tokio::time::sleep(FAULT).await;
+
+    pushing.store(false, Ordering::SeqCst);
+    let mut next = pusher.await.unwrap();
+    assert!(common::eventually(10, || engines.iter().all(DrainEngine::is_drained)).await);
+
+    let bound = PROBE * TAKEOVER_INTERVALS;
+    for (i, e) in engines.iter().enumerate() {
+        let drains: Vec<(Instant, Option<u32>)> = e
+            .drains
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(t, _)| *t >= settled)
+            .copied()
+            .collect();
+        assert!(
+            drains
+                .iter()
+                .all(|(t, p)| *p != Some(wrong_pid) || *t > fixed_at),
+            "engine {i}: the wrong-token replica drained it"
+        );
+        let gap = check_drains(&format!("engine {i}"), &drains, &names, &killed_at, bound);
+        eprintln!("engine {i}: longest time without a poller {gap:?} (bound {bound:?})");
+    }
+    let all: Vec<&Replica> = rs.iter().collect();
+    let (_, blocks) = converge(&all, 1, 60).await;
+    // Nothing lost from now on: a fresh round arrives whole on every replica.
+    let added = round(&engines, &mut next);
+    assert!(common::eventually(10, || engines.iter().all(DrainEngine::is_drained)).await);
+    let (_, after) = converge(&all, blocks + added, 30).await;
+    assert_eq!(after, blocks + added);
+    eprintln!(
+        "fault scenario took {:?}; final index {after} blocks",
+        started.elapsed()
+    );
+}

@@ -8,9 +8,11 @@
 //! global allocator. Fails if the streaming decoder's peak exceeds 4× any frame. Under `cargo
 //! test --all-targets` (no `--bench` argument) it measures and checks only that peak.
 
-use std::alloc::{GlobalAlloc, Layout, System};
+#[path = "support/peak_alloc.rs"]
+mod peak_alloc;
+use peak_alloc::peak_of;
+
 use std::hint::black_box;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use rand::rngs::SmallRng;
@@ -18,43 +20,8 @@ use rand::{Rng, SeedableRng};
 
 use kv_epp::events::vllm::{DecodeError, decode_batch};
 
-struct Counting;
-static CURRENT: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-fn grow(bytes: usize) {
-    let now = CURRENT.fetch_add(bytes, Ordering::Relaxed) + bytes;
-    PEAK.fetch_max(now, Ordering::Relaxed);
-}
-
-// SAFETY: delegates to the system allocator and only counts sizes.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        grow(l.size());
-        // SAFETY: forwarded unchanged.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        grow(l.size());
-        // SAFETY: forwarded unchanged.
-        unsafe { System.alloc_zeroed(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        CURRENT.fetch_sub(l.size(), Ordering::Relaxed);
-        // SAFETY: forwarded unchanged.
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        // Counted as a copy: both blocks are live while it moves.
-        grow(new);
-        CURRENT.fetch_sub(l.size(), Ordering::Relaxed);
-        // SAFETY: forwarded unchanged.
-        unsafe { System.realloc(p, l, new) }
-    }
-}
-
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: peak_alloc::Counting = peak_alloc::Counting;
 
 /// The decoder's caps this bench builds frames at (checked against the decoder below).
 const MAX_BLOCKS_PER_EVENT: usize = 65_536;
@@ -63,14 +30,6 @@ const MAX_TOKENS_PER_EVENT: usize = 1_048_576;
 const RMPV_MAX_DEPTH: usize = 16;
 /// Wall time spent timing each decoder on each frame.
 const TIME_BUDGET: Duration = Duration::from_millis(400);
-
-/// Peak heap growth while `f` runs.
-fn peak_of(f: impl FnOnce()) -> usize {
-    let base = CURRENT.load(Ordering::Relaxed);
-    PEAK.store(base, Ordering::Relaxed);
-    f();
-    PEAK.load(Ordering::Relaxed).saturating_sub(base)
-}
 
 /// Median time of `f` over repeated runs within [`TIME_BUDGET`] (at least 3 runs).
 fn time_of(mut f: impl FnMut()) -> Duration {
@@ -320,14 +279,14 @@ fn main() {
         let got = stream(frame);
         assert_eq!(got, case.expect, "{}", case.name);
         drop(got);
-        let new_peak = peak_of(|| {
+        let (new_peak, ()) = peak_of(|| {
             black_box(drain(frame)).ok();
         });
         let size = frame.len() as f64;
         let new_x = new_peak as f64 / size;
         worst = worst.max(new_x);
         let (baseline, time) = if full {
-            let old_peak = peak_of(|| tree(frame));
+            let (old_peak, _) = peak_of(|| tree(frame));
             let new_time = time_of(|| {
                 black_box(drain(frame)).ok();
             });

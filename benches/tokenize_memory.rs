@@ -18,10 +18,12 @@
 //! Under `cargo test --all-targets` it runs a 32 KiB prose body and a 1 MiB body refused at a
 //! 64k-token limit only.
 
-use std::alloc::{GlobalAlloc, Layout, System};
+#[path = "support/peak_alloc.rs"]
+mod peak_alloc;
+use peak_alloc::peak_of;
+
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use serde_json::{Value, json};
@@ -31,54 +33,11 @@ use kv_epp::models::{ModelSettings, ServedModels};
 use kv_epp_core::index::IndexLimits;
 use kv_epp_tokenize::{ModelTokenizer, TokenizeError, TokenizerFiles};
 
-struct Counting;
-static CURRENT: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-fn grow(bytes: usize) {
-    let now = CURRENT.fetch_add(bytes, Ordering::Relaxed) + bytes;
-    PEAK.fetch_max(now, Ordering::Relaxed);
-}
-
-// SAFETY: delegates to the system allocator and only counts sizes.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        grow(l.size());
-        // SAFETY: forwarded unchanged.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        grow(l.size());
-        // SAFETY: forwarded unchanged.
-        unsafe { System.alloc_zeroed(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        CURRENT.fetch_sub(l.size(), Ordering::Relaxed);
-        // SAFETY: forwarded unchanged.
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        // Counted as a copy: both blocks are live while it moves.
-        grow(new);
-        CURRENT.fetch_sub(l.size(), Ordering::Relaxed);
-        // SAFETY: forwarded unchanged.
-        unsafe { System.realloc(p, l, new) }
-    }
-}
-
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: peak_alloc::Counting = peak_alloc::Counting;
 
 /// The goal: peak growth while tokenizing an accepted chat body, as a multiple of the body.
 const GOAL: f64 = 8.0;
-
-/// Peak heap growth while `f` runs, and its result.
-fn peak_of<T>(f: impl FnOnce() -> T) -> (usize, T) {
-    let base = CURRENT.load(Ordering::Relaxed);
-    PEAK.store(base, Ordering::Relaxed);
-    let out = f();
-    (PEAK.load(Ordering::Relaxed).saturating_sub(base), out)
-}
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

@@ -96,8 +96,9 @@ fn non_null(j: Json) -> Option<Json> {
     (!j.is_null()).then_some(j)
 }
 
-/// Media part types: ignored (kv-epp routes on the text).
-const MEDIA_TYPES: [&str; 10] = [
+/// Media part types: ignored (kv-epp routes on the text). The same names, as keys of a part,
+/// make vLLM's `has_non_text_content` true (`request.rs`).
+pub(crate) const MEDIA_TYPES: [&str; 10] = [
     "input_image",
     "image_url",
     "image_embeds",

@@ -117,18 +117,6 @@ struct WireChat {
 /// `has_non_text_content` (`vllm/renderers/chat_utils/chat_message.py`): a content part with a
 /// media key, a non-string `type` or a type that is not text; or a prompt-embeds reasoning.
 fn has_non_text_content(messages: &Json) -> bool {
-    const MEDIA_KEYS: [&str; 10] = [
-        "input_image",
-        "image_url",
-        "image_embeds",
-        "audio_embeds",
-        "video_embeds",
-        "prompt_embeds",
-        "image_pil",
-        "audio_url",
-        "input_audio",
-        "video_url",
-    ];
     const TEXT_TYPES: [&str; 6] = [
         "text",
         "input_text",
@@ -152,7 +140,9 @@ fn has_non_text_content(messages: &Json) -> bool {
                 let Json::Object(fields) = p else {
                     return false;
                 };
-                MEDIA_KEYS.iter().any(|k| fields.contains_key(*k))
+                crate::messages::MEDIA_TYPES
+                    .iter()
+                    .any(|k| fields.contains_key(*k))
                     || match fields.get("type") {
                         None => false,
                         Some(Json::Str(t)) => !TEXT_TYPES.contains(&t.as_str()),

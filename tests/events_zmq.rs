@@ -438,6 +438,76 @@ async fn joining_an_idle_engine_recovers_its_buffered_history() {
     server.stop().await;
 }
 
+/// A feed cut off from an engine that then goes idle: the batches published meanwhile (which
+/// the PUB drops for a subscriber that is away) are caught up by replay as soon as the feed
+/// reconnects, without waiting for a new publish to reveal the gap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconnect_to_an_idle_engine_catches_up_on_what_it_missed() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let pub_port = free_port();
+    let replay_port = free_port();
+    let mut engine = FakeEngine::start(
+        pub_port,
+        Some(replay_port),
+        ReplayForm::Vllm033,
+        true,
+        false,
+    )
+    .await;
+    // kv-epp reaches the PUB through a relay the test can cut (the replay socket directly).
+    let relay = common::replicas::Cutter::start(format!("tcp://127.0.0.1:{pub_port}")).await;
+    let worker: SocketAddr = "127.0.0.1:18006".parse().unwrap();
+    let server = kv_epp(worker, relay.addr.port(), Some(replay_port)).await;
+    wait_subscribed(&server).await;
+    let t: Vec<u32> = (200..224).collect();
+    engine
+        .publish(vec![engine.stored(&[1, 2], None, &t[..8], None)], false)
+        .await;
+    assert!(wait_worker_blocks(&server, worker, 2).await);
+
+    relay.set_cut(true);
+    let st = server.feeds.statuses()[0].2.clone();
+    assert!(
+        eventually(15, || !st.connected.load(Relaxed)).await,
+        "the feed sees the cut"
+    );
+    engine
+        .publish(
+            vec![engine.stored(&[3, 4], Some(2), &t[8..16], None)],
+            false,
+        )
+        .await;
+    engine
+        .publish(vec![engine.stored(&[5, 6], Some(4), &t[16..], None)], false)
+        .await;
+    relay.set_cut(false);
+    // The engine publishes nothing more.
+    assert!(
+        wait_worker_blocks(&server, worker, 6).await,
+        "what was published while away is caught up on reconnect"
+    );
+    assert_eq!(overlap(&server, &t, None).await, 24);
+    assert_eq!(
+        (
+            st.batches.load(Relaxed),
+            st.gaps.load(Relaxed),
+            st.replayed.load(Relaxed),
+            st.unfillable.load(Relaxed),
+            st.restarts.load(Relaxed)
+        ),
+        (3, 1, 1, 0, 0),
+        "each batch applied once; the gap counted once and filled by replay"
+    );
+    // The live stream goes on from there, each batch applied once.
+    wait_subscribed(&server).await;
+    engine
+        .publish(vec![engine.stored(&[9], None, &[9, 9, 9, 9], None)], false)
+        .await;
+    assert!(wait_worker_blocks(&server, worker, 7).await);
+    assert_eq!((st.batches.load(Relaxed), st.gaps.load(Relaxed)), (4, 1));
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_replay_a_gap_drops_state_and_fresh_events_recover() {
     let (mut engine, server, worker) = subscribed("127.0.0.1:18002", None, true, false).await;

@@ -438,6 +438,112 @@ async fn joining_an_idle_engine_recovers_its_buffered_history() {
     server.stop().await;
 }
 
+/// A feed cut off from an engine that then goes idle: the batches published meanwhile (which
+/// the PUB drops for a subscriber that is away) are caught up by replay as soon as the feed
+/// reconnects, without waiting for a new publish to reveal the gap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconnect_to_an_idle_engine_catches_up_on_what_it_missed() {
+    cut_publish_twice_restore("127.0.0.1:18006", false).await;
+}
+
+/// As above, but the engine no longer buffers the first missed batch: the worker's state is
+/// dropped (the gap counted as unfillable) and rebuilt from what the engine still buffers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconnect_past_the_engine_buffer_drops_state_and_rejoins() {
+    cut_publish_twice_restore("127.0.0.1:18007", true).await;
+}
+
+/// One stored batch received live, then kv-epp's PUB link is cut, two batches are published
+/// (with `evict`, the first is then forgotten by the replay buffer), the link is restored and
+/// the engine publishes nothing more.
+async fn cut_publish_twice_restore(worker: &str, evict: bool) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let pub_port = free_port();
+    let replay_port = free_port();
+    let mut engine = FakeEngine::start(
+        pub_port,
+        Some(replay_port),
+        ReplayForm::Vllm033,
+        true,
+        false,
+    )
+    .await;
+    // kv-epp reaches the PUB through a relay the test can cut (the replay socket directly).
+    let relay = common::replicas::Cutter::start(format!("tcp://127.0.0.1:{pub_port}")).await;
+    let worker: SocketAddr = worker.parse().unwrap();
+    let server = kv_epp(worker, relay.addr.port(), Some(replay_port)).await;
+    wait_subscribed(&server).await;
+    let t: Vec<u32> = (200..224).collect();
+    engine
+        .publish(vec![engine.stored(&[1, 2], None, &t[..8], None)], false)
+        .await;
+    assert!(wait_worker_blocks(&server, worker, 2).await);
+
+    relay.set_cut(true);
+    let st = server.feeds.statuses()[0].2.clone();
+    assert!(
+        eventually(15, || !st.connected.load(Relaxed)).await,
+        "the feed sees the cut"
+    );
+    engine
+        .publish(
+            vec![engine.stored(&[3, 4], Some(2), &t[8..16], None)],
+            false,
+        )
+        .await;
+    let u: Vec<u32> = (300..308).collect();
+    engine
+        .publish(vec![engine.stored(&[5, 6], None, &u, None)], false)
+        .await;
+    if evict {
+        engine.sent.lock().unwrap().retain(|(seq, _)| *seq != 1);
+    }
+    relay.set_cut(false);
+    // The engine publishes nothing more.
+    if evict {
+        assert!(
+            eventually(15, || st.unfillable.load(Relaxed) == 1
+                && st.batches.load(Relaxed) == 2)
+            .await,
+            "the unrecoverable gap dropped the state; the buffered batch was rejoined"
+        );
+        assert!(wait_worker_blocks(&server, worker, 2).await);
+        assert_eq!(overlap(&server, &t, None).await, 0, "no stale credit");
+        assert_eq!(overlap(&server, &u, None).await, 8);
+    } else {
+        assert!(
+            wait_worker_blocks(&server, worker, 6).await,
+            "what was published while away is caught up on reconnect"
+        );
+        assert_eq!(overlap(&server, &t[..16], None).await, 16);
+        assert_eq!(overlap(&server, &u, None).await, 8);
+    }
+    let want = if evict { (2, 1, 0, 1) } else { (3, 1, 1, 0) };
+    assert_eq!(
+        (
+            st.batches.load(Relaxed),
+            st.gaps.load(Relaxed),
+            st.replayed.load(Relaxed),
+            st.unfillable.load(Relaxed),
+        ),
+        want,
+        "(batches, gaps, replayed, unfillable): each batch applied once, the gap counted once"
+    );
+    assert_eq!(st.restarts.load(Relaxed), 0);
+    // The live stream goes on from there, each batch applied once.
+    wait_subscribed(&server).await;
+    engine
+        .publish(vec![engine.stored(&[9], None, &[9, 9, 9, 9], None)], false)
+        .await;
+    let blocks = if evict { 3 } else { 7 };
+    assert!(wait_worker_blocks(&server, worker, blocks).await);
+    assert_eq!(
+        (st.batches.load(Relaxed), st.gaps.load(Relaxed)),
+        (want.0 + 1, 1)
+    );
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_replay_a_gap_drops_state_and_fresh_events_recover() {
     let (mut engine, server, worker) = subscribed("127.0.0.1:18002", None, true, false).await;

@@ -545,10 +545,14 @@ impl Feed {
 
     /// Joins a running engine as soon as the SUB is subscribed: replays everything it still
     /// buffers, so an idle engine's history is recovered without waiting for a new publish.
-    /// Does nothing once a sequence is known or when the worker has no replay socket.
+    /// Once a sequence is known (a reconnect, or a start from a peer's snapshot), catches up
+    /// instead (see [`Feed::catch_up`]). Does nothing when the worker has no replay socket.
     async fn join(&self, cursor: &mut Cursor) {
-        if cursor.expected.is_some() || self.endpoints.replay.is_none() {
+        if self.endpoints.replay.is_none() {
             return;
+        }
+        if let Some(expected) = cursor.expected {
+            return self.catch_up(expected, cursor).await;
         }
         let result = self.replay(0, None, false).await;
         // Whatever was applied counts, even when the replay broke off midway.
@@ -568,6 +572,43 @@ impl Feed {
                 // failure itself was logged by `replay` when it changed.
                 tracing::debug!(worker = %self.worker, error = %why, "join replay failed");
             }
+        }
+    }
+
+    /// After a reconnect: replays whatever the engine published from `expected` on while the SUB
+    /// was away. A PUB drops messages for a subscriber that is not connected, and the live
+    /// stream only shows the gap with the engine's next publish, which an idle engine never
+    /// makes: without this the feed would stay connected and silently short of those batches.
+    /// A batch caught up counts as a gap filled by replay; one the engine no longer buffers
+    /// drops the worker's state (as for a live gap) and rejoins from what it still has.
+    async fn catch_up(&self, expected: u64, cursor: &mut Cursor) {
+        let result = self.replay(expected, None, true).await;
+        match result {
+            Ok(()) => {}
+            Err(ReplayError::Evicted { .. }) => {
+                self.status.gaps.fetch_add(1, Ordering::Relaxed);
+                self.status.unfillable.fetch_add(1, Ordering::Relaxed);
+                self.drop_state(&"batches published while disconnected are no longer buffered");
+                // From the oldest batch the engine still has.
+                let _ = self.replay(expected, None, false).await;
+            }
+            Err(why) => {
+                // Not fatal: the next live message shows the gap and replays it then.
+                tracing::debug!(worker = %self.worker, error = %why, "catch-up replay failed");
+                return;
+            }
+        }
+        let next = self.status.next_seq.load(Ordering::Relaxed);
+        if next > expected {
+            if result.is_ok() {
+                self.status.gaps.fetch_add(1, Ordering::Relaxed);
+                self.status.replayed.fetch_add(1, Ordering::Relaxed);
+            }
+            tracing::info!(worker = %self.worker, from = expected, next_sequence = next, "caught up on KV events published while disconnected");
+            *cursor = Cursor {
+                expected: Some(next),
+                joined_below: Some(next),
+            };
         }
     }
 

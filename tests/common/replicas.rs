@@ -42,12 +42,15 @@ impl Cutter {
                 let Ok((mut inbound, _)) = l.accept().await else {
                     return;
                 };
+                // Checked and registered under the lock `set_cut` takes: a connection accepted
+                // as the cut begins is either refused or aborted by it, never left running.
+                let mut conns = k2.lock().unwrap();
                 if c2.load(Ordering::SeqCst) {
                     drop(inbound);
                     continue;
                 }
                 let target = target.clone();
-                k2.lock().unwrap().push(tokio::spawn(async move {
+                conns.push(tokio::spawn(async move {
                     if let Ok(mut out) = TcpStream::connect(&target).await {
                         let _ = tokio::io::copy_bidirectional(&mut inbound, &mut out).await;
                     }
@@ -58,9 +61,10 @@ impl Cutter {
     }
 
     pub fn set_cut(&self, cut: bool) {
+        let mut conns = self.conns.lock().unwrap();
         self.cut.store(cut, Ordering::SeqCst);
         if cut {
-            for c in self.conns.lock().unwrap().drain(..) {
+            for c in conns.drain(..) {
                 c.abort();
             }
         }

@@ -34,6 +34,8 @@ enum ReplayForm {
 struct FakeEngine {
     publisher: PubSocket,
     sent: Sent,
+    /// Replay requests served so far.
+    replays: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     next: u64,
     map_layout: bool,
     bytes_hashes: bool,
@@ -67,6 +69,7 @@ impl FakeEngine {
             .await
             .unwrap();
         let sent: Sent = Default::default();
+        let replays = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         if let Some(port) = replay_port {
             let mut router = RouterSocket::new();
             router
@@ -74,6 +77,7 @@ impl FakeEngine {
                 .await
                 .unwrap();
             let sent = sent.clone();
+            let replays = replays.clone();
             tokio::spawn(async move {
                 while let Ok(msg) = router.recv().await {
                     let frames = msg.into_vec();
@@ -100,12 +104,14 @@ impl FakeEngine {
                             break;
                         }
                     }
+                    replays.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
             });
         }
         FakeEngine {
             publisher,
             sent,
+            replays,
             next: 0,
             map_layout,
             bytes_hashes,
@@ -446,7 +452,42 @@ async fn a_reconnect_to_an_idle_engine_catches_up_on_what_it_missed() {
     cut_publish_twice_restore("127.0.0.1:18006", false).await;
 }
 
-/// As above, but the engine no longer buffers the first missed batch: the worker's state is
+/// A PUB drops what it publishes before a new subscriber's subscription has taken effect, and the
+/// join replay may already have been served by then: an idle engine would never reveal that
+/// batch. Simulated by a batch the engine buffers for replay but never sends live, published
+/// after kv-epp's join replay: kv-epp's re-check of the join (while the connection is silent)
+/// finds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_dropped_before_the_subscription_took_effect_is_found_by_replay() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let pub_port = free_port();
+    let replay_port = free_port();
+    let mut engine = FakeEngine::start(
+        pub_port,
+        Some(replay_port),
+        ReplayForm::Vllm033,
+        true,
+        false,
+    )
+    .await;
+    let worker: SocketAddr = "127.0.0.1:18008".parse().unwrap();
+    let server = kv_epp(worker, pub_port, Some(replay_port)).await;
+    let replays = engine.replays.clone();
+    assert!(
+        eventually(15, || replays.load(Relaxed) >= 1).await,
+        "kv-epp joins by replay"
+    );
+    let t: Vec<u32> = (400..408).collect();
+    engine
+        .publish(vec![engine.stored(&[41, 42], None, &t, None)], true)
+        .await;
+    assert!(
+        wait_worker_blocks(&server, worker, 2).await,
+        "the dropped batch is found without another publish"
+    );
+}
+
+/// As `a_reconnect_to_an_idle_engine_catches_up_on_what_it_missed`, but the engine no longer buffers the first missed batch: the worker's state is
 /// dropped (the gap counted as unfillable) and rebuilt from what the engine still buffers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reconnect_past_the_engine_buffer_drops_state_and_rejoins() {

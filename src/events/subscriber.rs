@@ -39,6 +39,9 @@ const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
 /// other events wait meanwhile, so keep it short).
 const REPLAY_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// First and longest wait before reconnecting a feed.
+/// After a join, while no live message has arrived: when to check the engine's replay again for
+/// batches its PUB may have dropped before our subscription took effect (after the previous check).
+const JOIN_RECHECKS: [Duration; 2] = [Duration::from_secs(1), Duration::from_secs(4)];
 const BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(5));
 
 /// Where a worker publishes.
@@ -698,11 +701,34 @@ pub async fn run(feed: Arc<Feed>, expected: Option<u64>) {
                     }
                 }
                 feed.join(&mut cursor).await;
+                // Until the first live message shows the subscription has taken effect at the
+                // engine, a batch published meanwhile may have been dropped by its PUB after
+                // the join's replay was served; an idle engine would never reveal that gap, so
+                // the join is checked again while the connection stays silent.
+                let mut rechecks = JOIN_RECHECKS.iter();
+                let mut recheck = rechecks.next().map(|d| tokio::time::Instant::now() + *d);
                 let error = loop {
-                    match sub.recv().await {
-                        Ok(frames) => {
+                    let first = match recheck {
+                        Some(at) => tokio::select! {
+                            flags = sub.next_flags() => flags,
+                            () = tokio::time::sleep_until(at) => {
+                                feed.join(&mut cursor).await;
+                                recheck = rechecks.next().map(|d| tokio::time::Instant::now() + *d);
+                                continue;
+                            }
+                        },
+                        None => sub.next_flags().await,
+                    };
+                    let first = match first {
+                        Ok(flags) => flags,
+                        Err(e) => break e,
+                    };
+                    match sub.finish(first).await {
+                        Ok(None) => {}
+                        Ok(Some(frames)) => {
                             // A connection that delivers is healthy: the next failure retries soon.
                             backoff = BACKOFF.0;
+                            recheck = None;
                             feed.on_message(&frames, &mut cursor).await;
                         }
                         Err(e) => break e,

@@ -410,15 +410,28 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
     /// it must arrive whole within [`Limits::message_timeout`].
     pub async fn recv(&mut self) -> Result<Vec<Bytes>, ZmtpError> {
         loop {
-            let first = self.stream.read_u8().await.map_err(io_err)?;
-            let timeout = self.limits.message_timeout;
-            let message = tokio::time::timeout(timeout, self.rest_of_message(first))
-                .await
-                .map_err(|_| ZmtpError::MessageTimeout(timeout))??;
-            if let Some(frames) = message {
+            let first = self.next_flags().await?;
+            if let Some(frames) = self.finish(first).await? {
                 return Ok(frames);
             }
         }
+    }
+
+    /// The first byte of the next message or command; waits as long as the peer is idle.
+    /// Cancel safe (a caller may race it against a timer): a one-byte read consumes nothing
+    /// unless it completes. Pass the byte to [`Connection::finish`].
+    pub async fn next_flags(&mut self) -> Result<u8, ZmtpError> {
+        self.stream.read_u8().await.map_err(io_err)
+    }
+
+    /// The rest of the message or command whose first byte [`Connection::next_flags`] returned,
+    /// whole within [`Limits::message_timeout`]; `None` for a command (answered). Not cancel
+    /// safe: once begun, await it to the end.
+    pub async fn finish(&mut self, first: u8) -> Result<Option<Vec<Bytes>>, ZmtpError> {
+        let timeout = self.limits.message_timeout;
+        tokio::time::timeout(timeout, self.rest_of_message(first))
+            .await
+            .map_err(|_| ZmtpError::MessageTimeout(timeout))?
     }
 
     /// Reads the message whose first flags byte was `flags`; `None` for a command (handled).

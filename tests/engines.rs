@@ -64,19 +64,6 @@ fn truth_unsalted(w: &SimWorker, tokens: &[u32]) -> u64 {
     }) as u64
 }
 
-async fn send_unsalted(w: &SimWorker, tokens: &[u32]) {
-    let body = serde_json::json!({"model": "m", "prompt": tokens, "max_tokens": 1});
-    let r = common::post_json(
-        w.http_addr,
-        "/v1/completions",
-        &[],
-        body.to_string().as_bytes(),
-    )
-    .await
-    .unwrap();
-    assert_eq!(r.status, 200, "{}", r.text());
-}
-
 fn prompt(first: u32, blocks: usize) -> Vec<u32> {
     (first..first + (blocks * BS) as u32).collect()
 }
@@ -91,7 +78,7 @@ async fn sglang_isolates_tenants(layout: EventLayout) {
     // parent and, in SGLang's events, carry the salt again).
     send(&w, &shared, "tenant-a").await;
     send(&w, &shared, "tenant-b").await;
-    send_unsalted(&w, &prompt(9_000, 2)).await;
+    common::sim::send_as(&w, &prompt(9_000, 2), None).await;
     send(&w, &longer, "tenant-a").await;
     let a = truth(&w, &longer, "tenant-a");
     assert_eq!(a, (5 * BS) as u64, "the worker holds a's whole prompt");
@@ -183,7 +170,7 @@ async fn trtllm_over_zeromq_is_subscribed_not_drained() {
     // A ZeroMQ feed, like vLLM's: no TensorRT-LLM drain, so nothing for replicas to own.
     assert_eq!(s.feeds.statuses().len(), 1);
     let p = prompt(3_000, 3);
-    send_unsalted(&w, &p).await;
+    common::sim::send_as(&w, &p, None).await;
     let want = truth_unsalted(&w, &p);
     assert_eq!(want, (3 * BS) as u64);
     let agreed = || async { believed(s.admin_addr, w.http_addr, &p, None).await == want };

@@ -75,7 +75,16 @@ pub fn fwd(tenant: &str) -> String {
 
 /// Sends a completion straight to the worker, salted as kv-epp would forward it.
 pub async fn send(w: &SimWorker, tokens: &[u32], tenant: &str) {
-    let body = json!({"model": "m", "prompt": tokens, "max_tokens": 1, "cache_salt": fwd(tenant)});
+    send_as(w, tokens, Some(tenant)).await;
+}
+
+/// Sends a completion straight to the worker: salted as kv-epp would forward `tenant`'s, or
+/// unsalted (`None`).
+pub async fn send_as(w: &SimWorker, tokens: &[u32], tenant: Option<&str>) {
+    let mut body = json!({"model": "m", "prompt": tokens, "max_tokens": 1});
+    if let Some(tenant) = tenant {
+        body["cache_salt"] = fwd(tenant).into();
+    }
     let r = super::post_json(
         w.http_addr,
         "/v1/completions",

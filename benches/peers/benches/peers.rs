@@ -84,6 +84,8 @@ const SYSTEM_BLOCK: u64 = u64::MAX;
 struct Settings {
     query_rounds: usize,
     reader_window: Duration,
+    /// `--only NAME`: measure only that system (for profiling under callgrind); no ratios.
+    only: Option<String>,
 }
 
 fn main() {
@@ -98,6 +100,11 @@ fn main() {
     let settings = Settings {
         query_rounds: if smoke { 200 } else { 20_000 },
         reader_window: Duration::from_millis(if smoke { 20 } else { 400 }),
+        only: args
+            .iter()
+            .position(|a| a == "--only")
+            .and_then(|i| args.get(i + 1))
+            .cloned(),
     };
     let default_trace = concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -122,7 +129,9 @@ fn main() {
          trace: {name}, {} requests, {BLOCK}-token blocks, a shared system-prompt block on every worker\n",
         trace.len()
     );
-    hashing(smoke);
+    if settings.only.is_none() {
+        hashing(smoke);
+    }
     let shapes: &[(usize, usize)] = if smoke {
         &[(8, 2)]
     } else if args.iter().any(|a| a == "--quick") {
@@ -784,6 +793,9 @@ fn run_shape(trace: &[Request], workers: usize, tenants: usize, s: &Settings) {
     for make in &systems {
         let sys = make();
         let name = sys.name();
+        if s.only.as_deref().is_some_and(|o| o != name) {
+            continue;
+        }
         let f = measure(sys, &stream, &seeds, s);
         if f.exact {
             let two = if f.one_reader_qps > 0.0 {
@@ -800,6 +812,9 @@ fn run_shape(trace: &[Request], workers: usize, tenants: usize, s: &Settings) {
             );
         }
         all.push((name, f));
+    }
+    if s.only.is_some() {
+        return; // profiling one system: no ratios, no writer or churn figures
     }
     let kv = all[0].1;
     let smg = all[1].1;

@@ -587,6 +587,12 @@ pub fn try_book(
     choose_ref(picker, request, parts, true, Some(hold))
 }
 
+thread_local! {
+    /// `choose_ref`'s overlap rows, kept between requests.
+    static OVERLAPS: std::cell::RefCell<Vec<kv_epp_core::index::Overlap>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
 fn choose_ref(
     picker: &Picker,
     request: &Understood,
@@ -601,10 +607,15 @@ fn choose_ref(
         ));
     }
     let seqs = &request.hashes.sequence;
-    let overlaps = match base.and_then(|b| picker.models.index(b)) {
-        Some(index) if !seqs.is_empty() => index.query(seqs),
-        _ => Vec::new(),
-    };
+    // The overlaps go into this thread's buffer (no allocation per request once warm), sorted
+    // by worker so each candidate finds its row by binary search, not by a scan of every row
+    // (with every worker holding a shared system prompt, a scan per worker is workers²).
+    let mut overlaps = OVERLAPS.with(|b| std::mem::take(&mut *b.borrow_mut()));
+    match base.and_then(|b| picker.models.index(b)) {
+        Some(index) if !seqs.is_empty() => index.query_into(seqs, &mut overlaps),
+        _ => overlaps.clear(),
+    }
+    overlaps.sort_unstable_by_key(|o| o.worker);
     // Refusals are labelled with the served base model only: a client-chosen `model` string
     // must not mint metric series.
     let named = request.model.base.clone();
@@ -617,7 +628,10 @@ fn choose_ref(
         let mut rows: Vec<(&Arc<WorkerRuntime>, Candidate, Option<Exclusion>)> = workers
             .iter()
             .map(|w| {
-                let o = overlaps.iter().find(|o| o.worker == w.id);
+                let o = overlaps
+                    .binary_search_by_key(&w.id, |o| o.worker)
+                    .ok()
+                    .map(|i| &overlaps[i]);
                 let candidate = Candidate {
                     worker: w.id,
                     device_blocks: o.map_or(0, |o| o.device_blocks),
@@ -698,6 +712,7 @@ fn choose_ref(
             .collect();
         Ok((reports, d, booking))
     });
+    OVERLAPS.with(|b| *b.borrow_mut() = overlaps);
     let (candidates, decision, booking) = picked?;
     Ok(Booked {
         candidates,

@@ -16,11 +16,23 @@
 //! drives that reclamation itself, so retired tables do not wait for some other thread's
 //! activity. A reader therefore sees, for each key, the holders of one moment during its lookup.
 //!
+//! Widely held keys (every worker holds a system prompt's first blocks): once a key has
+//! [`WIDE_MIN`] holders (and at least as many as its bitset has words), its pairs move into one
+//! [`Wide`] record, two bitsets over worker slots (device, offload), referenced by one slot
+//! whose holder value has no tier bits. A query then reads a few words for such a block instead
+//! of one slot per holder, the key's probe run shrinks to one slot (a run of hundreds of slots
+//! would also lengthen every lookup that lands in it), and 256 holders cost 64 bytes of bits
+//! instead of 256 slots. A record whose holders fall to a quarter of the threshold moves back
+//! into slots. Moving either way publishes the new form before retiring the old, so a reader
+//! meanwhile may see a pair twice (never not at all); readers take the union.
+//!
 //! Invariants: a holder value of 0 marks an empty slot and [`TOMBSTONE`] a removed pair, so
-//! tiers are never 0 in a stored holder; at most one live slot per (key, worker slot); a slot's
-//! key never changes while it is non-empty; every table keeps at least one empty slot.
+//! tiers are never 0 in a stored holder, and a non-empty holder without tier bits refers to a
+//! [`Wide`] record; outside a writer's critical section a key has either slots or one record,
+//! with at most one live slot per (key, worker slot); a slot's key never changes while it is
+//! non-empty; every table keeps at least one empty slot.
 
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
 use parking_lot::Mutex;
@@ -36,9 +48,20 @@ const MAX_LOAD: (usize, usize) = (3, 4);
 /// The holder value of a removed pair: its key stays, so probe runs stay whole for readers.
 pub const TOMBSTONE: u32 = u32::MAX;
 /// Worker slots a holder can carry (the all-ones slot is the tombstone's).
-pub const MAX_SLOTS: u32 = (1 << 30) - 1;
+pub const MAX_SLOTS: u32 = (1 << 29) - 1;
+/// Holder bit: more live slots of this key may follow in its probe run. A reader stops at a
+/// live slot of its key without it, so a key held once costs a successful search (~2 slots)
+/// rather than a scan to the end of the run. Set on a key's earlier live slots after a later
+/// one is written (so a reader that stops early only misses a pair being added), never
+/// cleared in a table (a stale bit only means a longer scan); a rebuild sets it afresh.
+/// Invariant: every live slot of a key but the last in its run carries it.
+const MORE: u32 = 0b100;
 
-/// A stored holder: worker slot in the high 30 bits, tier mask in the low 2.
+/// Holders at which a key's pairs move into a [`Wide`] record (when its bitset is no larger).
+pub const WIDE_MIN: usize = 16;
+
+/// A stored holder: worker slot in the high 29 bits, then [`MORE`], then the tier mask in the
+/// low 2.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Holder(pub u32);
 
@@ -46,16 +69,164 @@ impl Holder {
     /// Packs a worker slot and a non-empty tier mask.
     pub fn new(slot: u32, tiers: u8) -> Holder {
         debug_assert!(tiers & 0b11 != 0 && slot < MAX_SLOTS);
-        Holder((slot << 2) | u32::from(tiers & 0b11))
+        Holder((slot << 3) | u32::from(tiers & 0b11))
     }
     /// The worker slot.
     pub fn slot(self) -> u32 {
-        self.0 >> 2
+        self.0 >> 3
     }
     /// The tier mask (bit 0: device, bit 1: offload).
     pub fn tiers(self) -> u8 {
         (self.0 & 0b11) as u8
     }
+}
+
+/// The holders of a widely held key: a device bitset and an offload bitset over worker slots.
+/// Readers load its words without waiting; only the shard's writer changes them.
+pub struct Wide {
+    key: u64,
+    words: usize,
+    /// Device words, then offload words.
+    bits: Box<[AtomicU64]>,
+    /// Holders (changed only under the shard's writer lock).
+    count: AtomicU32,
+}
+
+impl Wide {
+    fn new(key: u64, words: usize) -> Wide {
+        Wide {
+            key,
+            words,
+            bits: (0..2 * words).map(|_| AtomicU64::new(0)).collect(),
+            count: AtomicU32::new(0),
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        std::mem::size_of::<Wide>() + self.bits.len() * 8
+    }
+
+    /// Words per bitset: slots `0..64 * words()` can be held.
+    #[inline]
+    pub fn words(&self) -> usize {
+        self.words
+    }
+
+    /// Device holders among slots `64 * w .. 64 * w + 64` (0 beyond the record).
+    #[inline]
+    pub fn device(&self, w: usize) -> u64 {
+        if w < self.words {
+            self.bits[w].load(Ordering::Acquire)
+        } else {
+            0
+        }
+    }
+
+    /// Offload holders among slots `64 * w .. 64 * w + 64` (0 beyond the record).
+    #[inline]
+    pub fn offload(&self, w: usize) -> u64 {
+        if w < self.words {
+            self.bits[self.words + w].load(Ordering::Acquire)
+        } else {
+            0
+        }
+    }
+
+    /// The tiers worker `slot` holds the key in (0: not a holder). Device is read first: a
+    /// writer adds a tier before it removes another, so a moving pair is never missed.
+    #[inline]
+    pub fn tiers(&self, slot: u32) -> u8 {
+        let (w, b) = (slot as usize / 64, slot % 64);
+        let d = (self.device(w) >> b) & 1;
+        let o = (self.offload(w) >> b) & 1;
+        (d | (o << 1)) as u8
+    }
+
+    /// Every holder: (slot, tiers).
+    fn holders(&self) -> impl Iterator<Item = Holder> + '_ {
+        (0..self.words).flat_map(move |w| {
+            let (d, o) = (self.device(w), self.offload(w));
+            let mut any = d | o;
+            std::iter::from_fn(move || {
+                if any == 0 {
+                    return None;
+                }
+                let b = any.trailing_zeros();
+                any &= any - 1;
+                let tiers = (((d >> b) & 1) | (((o >> b) & 1) << 1)) as u8;
+                Some(Holder::new((w * 64) as u32 + b, tiers))
+            })
+        })
+    }
+
+    /// Adds tiers (writer only).
+    fn add(&self, slot: u32, tiers: u8) {
+        let (w, bit) = (slot as usize / 64, 1u64 << (slot % 64));
+        if tiers & 0b01 != 0 {
+            self.bits[w].fetch_or(bit, Ordering::Release);
+        }
+        if tiers & 0b10 != 0 {
+            self.bits[self.words + w].fetch_or(bit, Ordering::Release);
+        }
+    }
+
+    /// Clears tiers (writer only).
+    fn clear(&self, slot: u32, tiers: u8) {
+        let (w, bit) = (slot as usize / 64, 1u64 << (slot % 64));
+        if tiers & 0b01 != 0 {
+            self.bits[w].fetch_and(!bit, Ordering::Release);
+        }
+        if tiers & 0b10 != 0 {
+            self.bits[self.words + w].fetch_and(!bit, Ordering::Release);
+        }
+    }
+}
+
+/// Words of a bitset holding slot `slot`.
+fn words_for(slot: u32) -> usize {
+    slot as usize / 64 + 1
+}
+
+/// When keys move between slots and wide records.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct WideRule {
+    /// Fewest holders at which a key moves into a record.
+    pub(crate) min: usize,
+    /// A record whose holders fall below this (or a quarter of its words) moves back.
+    pub(crate) keep: usize,
+}
+
+impl Default for WideRule {
+    fn default() -> Self {
+        WideRule {
+            min: WIDE_MIN,
+            keep: WIDE_MIN / 4,
+        }
+    }
+}
+
+impl WideRule {
+    /// Holders at which a key moves into a record of `words` words per bitset (never a record
+    /// larger than the slots it replaces would be).
+    fn promote_at(self, words: usize) -> usize {
+        self.min.max(words)
+    }
+
+    /// Whether a record of `words` words with `count` holders stays a record.
+    fn stays(self, words: usize, count: usize) -> bool {
+        count > 0 && count >= self.keep.max(words / 4)
+    }
+}
+
+/// The holder value referring to wide record `id`.
+fn wide_ref(id: u32) -> u32 {
+    id << 3
+}
+
+/// Whether a live holder value refers to a wide record.
+#[inline]
+fn is_wide(h: u32) -> bool {
+    h & 0b11 == 0
 }
 
 /// One slot: a 64-bit key split in two halves and a holder, 12 bytes with 4-byte alignment, so
@@ -229,18 +400,31 @@ impl Drop for SlotArray {
 }
 
 struct ShardState {
-    /// Live pairs.
+    /// Live slots: pairs held in slots and references to wide records.
     len: usize,
-    /// Non-empty slots: live pairs and tombstones.
+    /// Non-empty slots: live ones and tombstones.
     used: usize,
+    /// Live (prefix, worker) pairs, in slots or in wide records.
+    pairs: usize,
+    /// Wide record ids free for reuse, and the next never used (ids start at 1).
+    wide_free: Vec<u32>,
+    wide_next: u32,
+    /// Bytes of live wide records and of the directory.
+    wide_bytes: usize,
+}
+
+/// Wide record id → record. Grown by copying the pointers into a larger directory.
+struct WideDir {
+    entries: Box<[Atomic<Wide>]>,
 }
 
 struct Shard {
     writer: Mutex<ShardState>,
     table: Atomic<Table>,
+    wides: Atomic<WideDir>,
 }
 
-/// Tables replaced but not yet freed (all holder tables of the process).
+/// Tables and wide records replaced but not yet freed (all holder tables of the process).
 static RETIRED: AtomicUsize = AtomicUsize::new(0);
 
 /// The smallest table for `live` pairs at most half full (the size a shrinking table takes).
@@ -264,7 +448,7 @@ pub fn reclaim_retired() {
     }
 }
 
-/// Tables replaced and not yet freed, process-wide.
+/// Tables and wide records replaced and not yet freed, process-wide.
 pub fn retired_tables() -> usize {
     RETIRED.load(Ordering::Acquire)
 }
@@ -274,6 +458,7 @@ pub struct HolderTable {
     shards: Box<[Shard]>,
     /// Mixed into every key before choosing a slot, so crafted prompts cannot aim at one probe run.
     secret: u64,
+    wide: WideRule,
 }
 
 /// What a [`HolderTable::insert`] changed.
@@ -297,15 +482,29 @@ fn mix(x: u64) -> u64 {
 impl HolderTable {
     /// An empty table.
     pub fn new() -> Self {
+        Self::with_rule(WideRule::default())
+    }
+
+    /// An empty table moving keys to wide records by `wide` (tests use low thresholds).
+    pub(crate) fn with_rule(wide: WideRule) -> Self {
         let shards = (0..SHARDS)
             .map(|_| Shard {
-                writer: Mutex::new(ShardState { len: 0, used: 0 }),
+                writer: Mutex::new(ShardState {
+                    len: 0,
+                    used: 0,
+                    pairs: 0,
+                    wide_free: Vec::new(),
+                    wide_next: 1,
+                    wide_bytes: 0,
+                }),
                 table: Atomic::new(Table::with_capacity(MIN_CAPACITY)),
+                wides: Atomic::null(),
             })
             .collect();
         HolderTable {
             shards,
             secret: rand::random(),
+            wide,
         }
     }
 
@@ -318,13 +517,16 @@ impl HolderTable {
     /// Adds `tiers` for worker `slot` under `key`.
     pub fn insert(&self, key: u64, slot: u32, tiers: u8) -> Inserted {
         let (shard, m) = self.locate(key);
-        let rebuilt = {
+        let (inserted, rebuilt) = {
             let mut state = shard.writer.lock();
             let guard = epoch::pin();
             // SAFETY: only writers holding `writer` replace the table, and we hold it.
             let mut table = unsafe { shard.table.load(Ordering::Relaxed, &guard).deref() };
             let mut i = m as usize & table.mask;
             let mut reusable = None;
+            let mut same_key = 0usize;
+            let mut top = slot;
+            let mut last_live = None;
             loop {
                 let h = table.slots[i].holder();
                 if h == 0 {
@@ -333,44 +535,287 @@ impl HolderTable {
                 if table.slots[i].key() == key {
                     if h == TOMBSTONE {
                         reusable.get_or_insert(i);
+                    } else if is_wide(h) {
+                        return self.wide_insert(shard, &mut state, h >> 3, slot, tiers, &guard);
                     } else if Holder(h).slot() == slot {
-                        let merged = Holder::new(slot, Holder(h).tiers() | tiers);
-                        table.slots[i].holder.store(merged.0, Ordering::Release);
+                        let merged = Holder::new(slot, Holder(h).tiers() | tiers).0 | (h & MORE);
+                        table.slots[i].holder.store(merged, Ordering::Release);
                         return Inserted::Merged;
+                    } else {
+                        same_key += 1;
+                        top = top.max(Holder(h).slot());
+                        last_live = Some(i);
                     }
                 }
                 i = (i + 1) & table.mask;
             }
             let holder = Holder::new(slot, tiers).0;
             state.len += 1;
+            state.pairs += 1;
+            let mut rebuilt = false;
             if let Some(t) = reusable {
                 // A tombstone of the same key: its key is already right for any reader.
-                table.slots[t].holder.store(holder, Ordering::Release);
-                return Inserted::NewPair;
-            }
-            let mut rebuilt = false;
-            if (state.used + 1) * MAX_LOAD.1 > table.slots.len() * MAX_LOAD.0 {
-                // Doubles when at least half the slots are live, else only drops tombstones:
-                // the size then depends on the peak held, not on the order of past writes.
-                let cap = table.slots.len();
-                let cap = if state.len * 2 >= cap { cap * 2 } else { cap };
-                table = self.rebuild(shard, &mut state, table, cap, &guard);
-                rebuilt = true;
-                i = m as usize & table.mask;
-                while table.slots[i].holder() != 0 {
-                    i = (i + 1) & table.mask;
+                Self::place(table, key, m, holder, Some(t));
+            } else {
+                if (state.used + 1) * MAX_LOAD.1 > table.slots.len() * MAX_LOAD.0 {
+                    table = self.grow(shard, &mut state, table, &guard);
+                    rebuilt = true;
+                    Self::place(table, key, m, holder, None);
+                } else {
+                    // The scan stopped at the run's first empty slot. Every live slot of the
+                    // key but its last already carries MORE; the last gets it once the new
+                    // slot is visible.
+                    table.slots[i].set(key, holder);
+                    if let Some(p) = last_live {
+                        let h = table.slots[p].holder();
+                        if h & MORE == 0 {
+                            table.slots[p].holder.store(h | MORE, Ordering::Release);
+                        }
+                    }
                 }
+                state.used += 1;
             }
-            table.slots[i].set(key, holder);
-            state.used += 1;
-            rebuilt
+            if same_key + 1 >= self.wide.promote_at(words_for(top)) {
+                rebuilt |= self.promote(shard, &mut state, key, m, words_for(top), &guard);
+            }
+            (Inserted::NewPair, rebuilt)
         };
         if rebuilt {
             reclaim_retired();
         }
+        inserted
+    }
+
+    /// Makes room for one more slot: doubles when at least half the slots are live, else only
+    /// drops tombstones (the size then depends on the peak held, not on the order of past
+    /// writes).
+    fn grow<'g>(
+        &self,
+        shard: &Shard,
+        state: &mut ShardState,
+        table: &Table,
+        guard: &'g Guard,
+    ) -> &'g Table {
+        let cap = table.slots.len();
+        let cap = if state.len * 2 >= cap { cap * 2 } else { cap };
+        self.rebuild(shard, state, table, cap, guard)
+    }
+
+    /// The first empty slot of the run starting at `m`'s home.
+    fn first_empty(table: &Table, m: u64) -> usize {
+        let mut i = m as usize & table.mask;
+        while table.slots[i].holder() != 0 {
+            i = (i + 1) & table.mask;
+        }
+        i
+    }
+
+    /// Writes a live slot of `key` (`holder` without [`MORE`]): into the tombstone `reuse` of
+    /// the same key, or else at the first empty slot of its run. The new slot carries `MORE`
+    /// when a live slot of the key follows it; then every earlier live slot of the key gets
+    /// `MORE`, once the new one is visible. Writer only.
+    fn place(table: &Table, key: u64, m: u64, holder: u32, reuse: Option<usize>) -> usize {
+        let live_key = |i: usize| {
+            let h = table.slots[i].holder();
+            h != 0 && h != TOMBSTONE && table.slots[i].key() == key
+        };
+        let (at, later) = match reuse {
+            Some(t) => {
+                let mut i = (t + 1) & table.mask;
+                let mut later = false;
+                while table.slots[i].holder() != 0 {
+                    if live_key(i) {
+                        later = true;
+                        break;
+                    }
+                    i = (i + 1) & table.mask;
+                }
+                (t, later)
+            }
+            None => (Self::first_empty(table, m), false),
+        };
+        let value = holder | if later { MORE } else { 0 };
+        if reuse.is_some() {
+            table.slots[at].holder.store(value, Ordering::Release);
+        } else {
+            table.slots[at].set(key, value);
+        }
+        let mut i = m as usize & table.mask;
+        while i != at {
+            if live_key(i) {
+                let h = table.slots[i].holder();
+                if h & MORE == 0 {
+                    table.slots[i].holder.store(h | MORE, Ordering::Release);
+                }
+            }
+            i = (i + 1) & table.mask;
+        }
+        at
+    }
+
+    /// The wide record `id` of a shard (writer side: it exists).
+    fn wide_of<'g>(shard: &Shard, id: u32, guard: &'g Guard) -> &'g Wide {
+        // SAFETY: the writer holds the lock; records and the directory are replaced only under
+        // it and freed only after an epoch grace period.
+        unsafe {
+            let dir = shard.wides.load(Ordering::Acquire, guard).deref();
+            dir.entries[id as usize]
+                .load(Ordering::Acquire, guard)
+                .deref()
+        }
+    }
+
+    /// Adds a pair to the wide record `id`, growing its bitsets to cover `slot`.
+    fn wide_insert(
+        &self,
+        shard: &Shard,
+        state: &mut ShardState,
+        id: u32,
+        slot: u32,
+        tiers: u8,
+        guard: &Guard,
+    ) -> Inserted {
+        let mut rec = Self::wide_of(shard, id, guard);
+        if slot as usize >= rec.words * 64 {
+            let bigger = Wide::new(rec.key, words_for(slot));
+            for (w, b) in rec.bits[..rec.words].iter().enumerate() {
+                bigger.bits[w].store(b.load(Ordering::Relaxed), Ordering::Relaxed);
+                let o = rec.bits[rec.words + w].load(Ordering::Relaxed);
+                bigger.bits[bigger.words + w].store(o, Ordering::Relaxed);
+            }
+            bigger
+                .count
+                .store(rec.count.load(Ordering::Relaxed), Ordering::Relaxed);
+            state.wide_bytes += bigger.bytes() - rec.bytes();
+            // SAFETY: as in `wide_of`.
+            let dir = unsafe { shard.wides.load(Ordering::Acquire, guard).deref() };
+            let old = dir.entries[id as usize].swap(Owned::new(bigger), Ordering::AcqRel, guard);
+            Self::retire(old, guard);
+            rec = Self::wide_of(shard, id, guard);
+        }
+        let had = rec.tiers(slot);
+        rec.add(slot, tiers);
+        if had != 0 {
+            return Inserted::Merged;
+        }
+        rec.count.fetch_add(1, Ordering::Relaxed);
+        state.pairs += 1;
         Inserted::NewPair
     }
 
+    /// Frees a replaced record once no reader can hold it.
+    fn retire<T: Send + 'static>(old: epoch::Shared<'_, T>, guard: &Guard) {
+        if old.is_null() {
+            return;
+        }
+        RETIRED.fetch_add(1, Ordering::AcqRel);
+        // SAFETY: unlinked by the caller; pinned readers keep it alive until they unpin.
+        unsafe {
+            let owned = old.into_owned();
+            guard.defer_unchecked(move || {
+                drop(owned);
+                RETIRED.fetch_sub(1, Ordering::AcqRel);
+            });
+        }
+        guard.flush();
+    }
+
+    /// Moves the slots of `key` into a new wide record: the record and its reference are
+    /// published before the slots become tombstones. Returns whether the table was rebuilt.
+    fn promote(
+        &self,
+        shard: &Shard,
+        state: &mut ShardState,
+        key: u64,
+        m: u64,
+        words: usize,
+        guard: &Guard,
+    ) -> bool {
+        let rec = Wide::new(key, words);
+        // SAFETY: we hold the writer lock.
+        let mut table = unsafe { shard.table.load(Ordering::Relaxed, guard).deref() };
+        let mut n = 0u32;
+        Self::for_each_slot(table, key, m, |h| {
+            if !is_wide(h) {
+                rec.add(Holder(h).slot(), Holder(h).tiers());
+                n += 1;
+            }
+        });
+        rec.count.store(n, Ordering::Relaxed);
+        state.wide_bytes += rec.bytes();
+        let id = self.wide_id(shard, state, guard);
+        // SAFETY: as in `wide_of`.
+        let dir = unsafe { shard.wides.load(Ordering::Acquire, guard).deref() };
+        dir.entries[id as usize].store(Owned::new(rec), Ordering::Release);
+        let mut rebuilt = false;
+        if (state.used + 1) * MAX_LOAD.1 > table.slots.len() * MAX_LOAD.0 {
+            table = self.grow(shard, state, table, guard);
+            rebuilt = true;
+        }
+        Self::place(table, key, m, wide_ref(id), None);
+        state.used += 1;
+        state.len += 1;
+        let mut i = m as usize & table.mask;
+        loop {
+            let h = table.slots[i].holder();
+            if h == 0 {
+                break;
+            }
+            if h != TOMBSTONE && !is_wide(h) && table.slots[i].key() == key {
+                table.slots[i].holder.store(TOMBSTONE, Ordering::Release);
+                state.len -= 1;
+            }
+            i = (i + 1) & table.mask;
+        }
+        rebuilt
+    }
+
+    /// A free wide record id, growing the directory when every id is taken.
+    fn wide_id(&self, shard: &Shard, state: &mut ShardState, guard: &Guard) -> u32 {
+        if let Some(id) = state.wide_free.pop() {
+            return id;
+        }
+        let id = state.wide_next;
+        state.wide_next += 1;
+        let dir = shard.wides.load(Ordering::Acquire, guard);
+        // SAFETY: as in `wide_of`.
+        let len = unsafe { dir.as_ref() }.map_or(0, |d| d.entries.len());
+        if id as usize >= len {
+            let new_len = (len * 2).max(8);
+            let entries: Box<[Atomic<Wide>]> = (0..new_len)
+                .map(|e| {
+                    // SAFETY: as in `wide_of`.
+                    unsafe { dir.as_ref() }
+                        .and_then(|d| d.entries.get(e))
+                        .map_or(Atomic::null(), |a| {
+                            Atomic::from(a.load(Ordering::Relaxed, guard))
+                        })
+                })
+                .collect();
+            state.wide_bytes += (new_len - len) * std::mem::size_of::<Atomic<Wide>>();
+            let old = shard
+                .wides
+                .swap(Owned::new(WideDir { entries }), Ordering::AcqRel, guard);
+            // The old directory's pointers are shared with the new one: only the array goes.
+            Self::retire(old, guard);
+        }
+        id
+    }
+
+    /// Calls `f` with every live holder value of `key` in `table` (writer side).
+    fn for_each_slot(table: &Table, key: u64, m: u64, mut f: impl FnMut(u32)) {
+        let mut i = m as usize & table.mask;
+        loop {
+            let h = table.slots[i].holder();
+            if h == 0 {
+                return;
+            }
+            if h != TOMBSTONE && table.slots[i].key() == key {
+                f(h);
+            }
+            i = (i + 1) & table.mask;
+        }
+    }
     /// Copies the live pairs into a new table of `cap` slots (dropping tombstones) and publishes
     /// it. Readers keep reading the old table meanwhile; it no longer changes (the caller holds
     /// the shard's writer lock) and is freed once no reader can hold it.
@@ -389,11 +834,7 @@ impl HolderTable {
                 continue;
             }
             let k = slot.key();
-            let mut i = mix(k ^ self.secret) as usize & new.mask;
-            while new.slots[i].holder() != 0 {
-                i = (i + 1) & new.mask;
-            }
-            new.slots[i].set(k, h);
+            Self::place(&new, k, mix(k ^ self.secret), h & !MORE, None);
         }
         state.used = state.len;
         let old_ptr = shard.table.swap(Owned::new(new), Ordering::AcqRel, guard);
@@ -415,7 +856,7 @@ impl HolderTable {
     /// (`None` when the pair was not present; `Some(0)` when the pair is now gone).
     pub fn remove(&self, key: u64, slot: u32, tiers: u8) -> Option<u8> {
         let (shard, m) = self.locate(key);
-        let shrunk = {
+        let (left, rebuilt) = {
             let mut state = shard.writer.lock();
             let guard = epoch::pin();
             // SAFETY: see `insert`.
@@ -426,33 +867,115 @@ impl HolderTable {
                 if h == 0 {
                     return None;
                 }
-                if h != TOMBSTONE && table.slots[i].key() == key && Holder(h).slot() == slot {
+                if h != TOMBSTONE
+                    && table.slots[i].key() == key
+                    && (is_wide(h) || Holder(h).slot() == slot)
+                {
                     break;
                 }
                 i = (i + 1) & table.mask;
             }
-            let left = Holder(table.slots[i].holder()).tiers() & !tiers;
-            if left != 0 {
-                table.slots[i]
-                    .holder
-                    .store(Holder::new(slot, left).0, Ordering::Release);
-                return Some(left);
+            let h = table.slots[i].holder();
+            if is_wide(h) {
+                self.wide_remove(shard, &mut state, table, i, key, m, slot, tiers, &guard)?
+            } else {
+                let left = Holder(h).tiers() & !tiers;
+                if left != 0 {
+                    table.slots[i]
+                        .holder
+                        .store(Holder::new(slot, left).0 | (h & MORE), Ordering::Release);
+                    return Some(left);
+                }
+                table.slots[i].holder.store(TOMBSTONE, Ordering::Release);
+                state.len -= 1;
+                state.pairs -= 1;
+                (0, self.maybe_shrink(shard, &mut state, &guard))
             }
-            table.slots[i].holder.store(TOMBSTONE, Ordering::Release);
-            state.len -= 1;
-            // Memory follows what is held: a table a quarter of its useful size shrinks.
-            let cap = table.slots.len();
-            let shrink = cap > MIN_CAPACITY && state.len * 8 < cap;
-            if shrink {
-                let cap = capacity_for(state.len);
-                self.rebuild(shard, &mut state, table, cap, &guard);
-            }
-            shrink
         };
-        if shrunk {
+        if rebuilt {
             reclaim_retired();
         }
-        Some(0)
+        Some(left)
+    }
+
+    /// Memory follows what is held: a table a quarter of its useful size shrinks.
+    fn maybe_shrink(&self, shard: &Shard, state: &mut ShardState, guard: &Guard) -> bool {
+        // SAFETY: see `insert`.
+        let table = unsafe { shard.table.load(Ordering::Relaxed, guard).deref() };
+        let cap = table.slots.len();
+        let shrink = cap > MIN_CAPACITY && state.len * 8 < cap;
+        if shrink {
+            self.rebuild(shard, state, table, capacity_for(state.len), guard);
+        }
+        shrink
+    }
+
+    /// Removes tiers of a pair held in the wide record referenced from slot `at`; a record left
+    /// with few holders moves back into slots, an empty one goes.
+    #[allow(clippy::too_many_arguments)]
+    fn wide_remove(
+        &self,
+        shard: &Shard,
+        state: &mut ShardState,
+        table: &Table,
+        at: usize,
+        key: u64,
+        m: u64,
+        slot: u32,
+        tiers: u8,
+        guard: &Guard,
+    ) -> Option<(u8, bool)> {
+        let id = table.slots[at].holder() >> 3;
+        let rec = Self::wide_of(shard, id, guard);
+        let had = rec.tiers(slot);
+        if had == 0 {
+            return None;
+        }
+        let left = had & !tiers;
+        rec.clear(slot, had & tiers);
+        if left != 0 {
+            return Some((left, false));
+        }
+        state.pairs -= 1;
+        let count = rec.count.fetch_sub(1, Ordering::Relaxed) as usize - 1;
+        if self.wide.stays(rec.words, count) {
+            return Some((0, false));
+        }
+        // Back into slots (none when empty), published before the reference goes.
+        let mut table = table;
+        let mut rebuilt = false;
+        if (state.used + count) * MAX_LOAD.1 > table.slots.len() * MAX_LOAD.0 {
+            // A rebuild copies the reference too; find it again afterwards.
+            let cap = capacity_for(state.len + count).max(table.slots.len());
+            table = self.rebuild(shard, state, table, cap, guard);
+            rebuilt = true;
+        }
+        for h in rec.holders() {
+            Self::place(table, key, m, h.0, None);
+            state.used += 1;
+            state.len += 1;
+        }
+        let mut i = m as usize & table.mask;
+        loop {
+            let h = table.slots[i].holder();
+            if h == 0 {
+                break;
+            }
+            if h & !MORE == wide_ref(id) && table.slots[i].key() == key {
+                table.slots[i].holder.store(TOMBSTONE, Ordering::Release);
+                state.len -= 1;
+                break;
+            }
+            i = (i + 1) & table.mask;
+        }
+        state.wide_bytes -= rec.bytes();
+        // SAFETY: as in `wide_of`.
+        let dir = unsafe { shard.wides.load(Ordering::Acquire, guard).deref() };
+        let old = dir.entries[id as usize].swap(epoch::Shared::null(), Ordering::AcqRel, guard);
+        Self::retire(old, guard);
+        state.wide_free.push(id);
+        rebuilt |= self.maybe_shrink(shard, state, guard);
+        Some((0, rebuilt))
     }
 
     /// Appends every holder of `key` to `out`: each pair as it stood at one moment of the
@@ -462,13 +985,126 @@ impl HolderTable {
         self.for_each(key, guard, |h| out.push(h));
     }
 
-    /// Calls `f` with every holder of `key`, as [`HolderTable::lookup`] finds them.
+    /// Calls `f` with every holder of `key`, as [`HolderTable::lookup`] finds them (a pair
+    /// moving between slots and a wide record meanwhile may come twice).
     #[inline]
     pub fn for_each(&self, key: u64, guard: &Guard, mut f: impl FnMut(Holder)) {
-        let (shard, m) = self.locate(key);
-        // SAFETY: the pointer is always valid while pinned (replaced tables are deferred).
-        let table = unsafe { shard.table.load(Ordering::Acquire, guard).deref() };
+        if let Some(wide) = self.visit(key, guard, &mut f) {
+            wide.holders().for_each(f);
+        }
+    }
+
+    /// Calls `f` with every holder of `key` kept in slots, and returns its wide record when it
+    /// has one: the key's holders are the union of both (normally one of them is empty; both
+    /// only while a writer moves the key between them). Never waits for a writer.
+    #[inline]
+    pub fn visit<'g>(
+        &'g self,
+        key: u64,
+        guard: &'g Guard,
+        f: impl FnMut(Holder),
+    ) -> Option<&'g Wide> {
+        let snap = self.snapshot(guard);
+        snap.visit(key, snap.hash(key), f)
+    }
+
+    /// Every shard's table as a reader finds it now, so a query resolves them once rather than
+    /// per block. A table replaced meanwhile no longer changes: the query reads the holders of
+    /// that moment.
+    #[inline]
+    pub fn snapshot<'g>(&'g self, guard: &'g Guard) -> Snapshot<'g> {
+        Snapshot {
+            owner: self,
+            // SAFETY: the pointers are always valid while pinned (replaced tables are deferred).
+            tables: std::array::from_fn(|s| unsafe {
+                self.shards[s].table.load(Ordering::Acquire, guard).deref()
+            }),
+            guard,
+        }
+    }
+
+    /// The wide record `id` of `key`, if it is still that key's (an id whose record was
+    /// retired, or reused for another key since the slot was read, yields none: the key's
+    /// holders were then moved into slots before, and the reader finds them further on).
+    #[inline]
+    fn wide_for_reader<'g>(shard: &Shard, id: u32, key: u64, guard: &'g Guard) -> Option<&'g Wide> {
+        // SAFETY: valid while pinned: directories and records are freed after a grace period.
+        let dir = unsafe { shard.wides.load(Ordering::Acquire, guard).as_ref() }?;
+        let rec = unsafe {
+            dir.entries
+                .get(id as usize)?
+                .load(Ordering::Acquire, guard)
+                .as_ref()
+        }?;
+        (rec.key == key).then_some(rec)
+    }
+
+    /// Heap bytes held by the slot arrays and wide records (all shards).
+    pub fn table_bytes(&self) -> usize {
+        let guard = epoch::pin();
+        self.shards
+            .iter()
+            .map(|s| {
+                let state = s.writer.lock();
+                // SAFETY: valid while pinned.
+                unsafe { s.table.load(Ordering::Acquire, &guard).deref() }.bytes()
+                    + state.wide_bytes
+            })
+            .sum()
+    }
+
+    /// The number of (prefix, worker) pairs.
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|s| s.writer.lock().pairs).sum()
+    }
+
+    /// Whether no pair is stored.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A reader's view of a [`HolderTable`]: every shard's table, resolved once.
+pub struct Snapshot<'g> {
+    owner: &'g HolderTable,
+    tables: [&'g Table; SHARDS],
+    guard: &'g Guard,
+}
+
+impl<'g> Snapshot<'g> {
+    /// The mixed hash of `key` that picks its shard and home slot (for `prefetch` and `visit`).
+    #[inline]
+    pub fn hash(&self, key: u64) -> u64 {
+        mix(key ^ self.owner.secret)
+    }
+
+    /// Hints the CPU to fetch the home slot of the key hashed to `m`, so a later lookup finds
+    /// it in cache.
+    #[inline]
+    pub fn prefetch(&self, m: u64) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let table = self.tables[(m >> (64 - SHARD_BITS)) as usize];
+            let i = m as usize & table.mask;
+            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+            // SAFETY: prefetch is a hint with no memory-safety requirements; `i` is in bounds.
+            unsafe {
+                _mm_prefetch(table.slots.as_ptr().add(i).cast::<i8>(), _MM_HINT_T0);
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = m;
+        }
+    }
+
+    /// [`HolderTable::visit`] for `key`, hashed to `m` by [`Snapshot::hash`].
+    #[inline]
+    pub fn visit(&self, key: u64, m: u64, mut f: impl FnMut(Holder)) -> Option<&'g Wide> {
+        let s = (m >> (64 - SHARD_BITS)) as usize;
+        let table = self.tables[s];
         let mut i = m as usize & table.mask;
+        let mut wide = None;
         // Every table keeps an empty slot; the bound is belt and braces.
         for _ in 0..=table.mask {
             let h = table.slots[i].holder();
@@ -476,54 +1112,24 @@ impl HolderTable {
                 break;
             }
             if h != TOMBSTONE && table.slots[i].key() == key {
-                f(Holder(h));
+                if is_wide(h) {
+                    wide = HolderTable::wide_for_reader(
+                        &self.owner.shards[s],
+                        h >> 3,
+                        key,
+                        self.guard,
+                    )
+                    .or(wide);
+                } else {
+                    f(Holder(h));
+                }
+                if h & MORE == 0 {
+                    break;
+                }
             }
             i = (i + 1) & table.mask;
         }
-    }
-
-    /// Hints the CPU to fetch the home slot of `key`, so a later lookup finds it in cache.
-    #[inline]
-    pub fn prefetch(&self, key: u64, guard: &Guard) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let (shard, m) = self.locate(key);
-            // SAFETY: valid while pinned; prefetching never faults even on a stale address.
-            let table = unsafe { shard.table.load(Ordering::Acquire, guard).deref() };
-            let i = m as usize & table.mask;
-            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-            // SAFETY: prefetch is a hint with no memory-safety requirements.
-            unsafe {
-                _mm_prefetch(table.slots.as_ptr().add(i).cast::<i8>(), _MM_HINT_T0);
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            let _ = (key, guard);
-        }
-    }
-
-    /// Heap bytes held by the slot arrays (all shards).
-    pub fn table_bytes(&self) -> usize {
-        let guard = epoch::pin();
-        self.shards
-            .iter()
-            .map(|s| {
-                let _lock = s.writer.lock();
-                // SAFETY: valid while pinned.
-                unsafe { s.table.load(Ordering::Acquire, &guard).deref() }.bytes()
-            })
-            .sum()
-    }
-
-    /// Occupied slots: the number of (prefix, worker) pairs.
-    pub fn len(&self) -> usize {
-        self.shards.iter().map(|s| s.writer.lock().len).sum()
-    }
-
-    /// Whether no pair is stored.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        wide
     }
 }
 
@@ -544,6 +1150,18 @@ impl Drop for HolderTable {
                     .swap(epoch::Shared::null(), Ordering::Relaxed, guard);
                 if !t.is_null() {
                     drop(t.into_owned());
+                }
+                let dir = shard
+                    .wides
+                    .swap(epoch::Shared::null(), Ordering::Relaxed, guard);
+                if !dir.is_null() {
+                    let dir = dir.into_owned();
+                    for e in dir.entries.iter() {
+                        let w = e.swap(epoch::Shared::null(), Ordering::Relaxed, guard);
+                        if !w.is_null() {
+                            drop(w.into_owned());
+                        }
+                    }
                 }
             }
         }

@@ -98,14 +98,15 @@ const UNBROKEN: u32 = u32::MAX;
 /// A query's answer in compact form, reusable across queries (it keeps its buffers).
 ///
 /// Workers are kept in the order their runs ended, cut into groups that ended at the same
-/// block, so a worker costs one slot id and a group one pair, whatever the prompt's length.
+/// block, so a worker costs one slot id and a group one entry, whatever the prompt's length.
 #[derive(Default)]
 pub struct QueryAnswer {
     /// Worker slots, in the order their runs ended (shorter first).
     order: Vec<u32>,
-    /// (end in `order`, leading blocks held in any tier), by increasing end.
-    groups: Vec<(u32, u32)>,
-    /// Per slot: leading device blocks when the device run ended first, else [`UNBROKEN`].
+    /// By increasing end in `order`.
+    groups: Vec<Group>,
+    /// Per slot: leading device blocks when the device run ended first, else [`UNBROKEN`]
+    /// (read only for groups without `device_full`).
     device: Vec<u32>,
     /// Per slot: position in `order` (valid where `mark` equals `stamp`).
     pos_of: Vec<u32>,
@@ -113,12 +114,76 @@ pub struct QueryAnswer {
     stamp: u32,
     /// The registry version the answer was computed against.
     version: u64,
+    /// While every block so far is widely held: the workers still in the running, and those of
+    /// them whose device run is unbroken, as bitsets over slots.
+    any: Vec<u64>,
+    dev: Vec<u64>,
+    /// A wide block's holders (its record's bits and any held in slots beside it).
+    blk_any: Vec<u64>,
+    blk_dev: Vec<u64>,
+    /// Holders found in slots for the current block.
+    narrow: Vec<holders::Holder>,
+    /// Survivors of the block where the walk leaves the bitsets.
+    keep: Vec<u32>,
+    /// The prompt's blocks hashed for the holder table.
+    hashes: Vec<u64>,
+    /// Groups that ended while the walk was on bitsets keep them here (`words` per group)
+    /// rather than one slot id per worker.
+    bit_groups: Vec<u64>,
+    words: usize,
+    /// Workers in those groups.
+    bit_len: usize,
+}
+
+/// Workers whose runs ended at the same block.
+#[derive(Clone, Copy)]
+struct Group {
+    /// End of the group in `order`.
+    end: u32,
+    /// Leading blocks held in any tier.
+    total: u32,
+    /// Whether every worker of the group held all of those in device memory.
+    device_full: bool,
+    /// When non-zero, the group is the bitset at `bits - 1` in `bit_groups` (its range of
+    /// `order` is then empty).
+    bits: u32,
+}
+
+/// Closes a group of the workers whose bits `words` yields (if any).
+fn close_bits(
+    bit_groups: &mut Vec<u64>,
+    groups: &mut Vec<Group>,
+    bit_len: &mut usize,
+    end: usize,
+    total: u32,
+    device_full: bool,
+    words: impl Iterator<Item = u64>,
+) {
+    let start = bit_groups.len();
+    let mut n = 0;
+    for x in words {
+        n += x.count_ones() as usize;
+        bit_groups.push(x);
+    }
+    if n == 0 {
+        bit_groups.truncate(start);
+        return;
+    }
+    *bit_len += n;
+    groups.push(Group {
+        end: end as u32,
+        total,
+        device_full,
+        bits: start as u32 + 1,
+    });
 }
 
 impl QueryAnswer {
     fn begin(&mut self, slots: usize) {
         self.order.clear();
         self.groups.clear();
+        self.bit_groups.clear();
+        self.bit_len = 0;
         if self.mark.len() < slots {
             self.mark.resize(slots, 0);
             self.pos_of.resize(slots, 0);
@@ -133,34 +198,67 @@ impl QueryAnswer {
 
     /// Number of workers with an overlap.
     pub fn len(&self) -> usize {
-        self.order.len()
+        self.order.len() + self.bit_len
     }
 
     /// Whether no worker holds the prompt's first block.
     pub fn is_empty(&self) -> bool {
-        self.order.is_empty()
+        self.len() == 0
     }
 
     /// The most leading blocks any worker holds in any tier (0 when none).
     pub fn best_total_blocks(&self) -> u32 {
-        self.groups.last().map_or(0, |g| g.1)
+        self.groups.iter().map(|g| g.total).max().unwrap_or(0)
     }
 
     /// Every worker with an overlap: (slot, leading device blocks, leading blocks in any tier).
     pub fn rows(&self) -> impl Iterator<Item = (WorkerSlot, u32, u32)> + '_ {
         let mut start = 0usize;
-        self.groups.iter().flat_map(move |&(end, total)| {
-            let range = start..end as usize;
-            start = end as usize;
-            self.order[range].iter().map(move |&slot| {
-                let d = self.device[slot as usize];
-                (
-                    WorkerSlot(slot),
-                    if d == UNBROKEN { total } else { d },
-                    total,
-                )
-            })
+        self.groups.iter().flat_map(move |g| {
+            let range = start..g.end as usize;
+            start = g.end as usize;
+            let (total, full) = (g.total, g.device_full);
+            let set = match g.bits {
+                0 => &[][..],
+                b => &self.bit_groups[b as usize - 1..b as usize - 1 + self.words],
+            };
+            let from_bits = set.iter().enumerate().flat_map(|(w, &x)| {
+                let mut x = x;
+                std::iter::from_fn(move || {
+                    if x == 0 {
+                        return None;
+                    }
+                    let b = x.trailing_zeros();
+                    x &= x - 1;
+                    Some((w * 64) as u32 + b)
+                })
+            });
+            self.order[range]
+                .iter()
+                .copied()
+                .chain(from_bits)
+                .map(move |slot| {
+                    let d = if full {
+                        UNBROKEN
+                    } else {
+                        self.device[slot as usize]
+                    };
+                    (
+                        WorkerSlot(slot),
+                        if d == UNBROKEN { total } else { d },
+                        total,
+                    )
+                })
         })
+    }
+}
+
+/// Calls `f` with the index of every set bit of `x`.
+#[inline]
+fn bits(mut x: u64, mut f: impl FnMut(u32)) {
+    while x != 0 {
+        f(x.trailing_zeros());
+        x &= x - 1;
     }
 }
 
@@ -303,10 +401,14 @@ const PREFETCH_DISTANCE: usize = 8;
 impl KvIndex {
     /// An empty index for a model with this block size.
     pub fn new(block_size: usize, limits: IndexLimits) -> Self {
+        Self::with_holders(block_size, limits, HolderTable::new())
+    }
+
+    fn with_holders(block_size: usize, limits: IndexLimits, holders: HolderTable) -> Self {
         KvIndex {
             block_size,
             limits,
-            holders: HolderTable::new(),
+            holders,
             registry: Atomic::new(Registry::default()),
             registry_writer: Mutex::new(()),
             free_slots: Arc::default(),
@@ -517,6 +619,8 @@ impl KvIndex {
             None => UNKNOWN_NS,
         };
         let bit = ev.medium.bit();
+        // The pair count is published once per event.
+        let mut added = 0usize;
         for (i, &engine_hash) in ev.engine_hashes.iter().enumerate() {
             let seq = seed.map(|seed| {
                 let local = hash_block(
@@ -529,7 +633,7 @@ impl KvIndex {
                 }
             });
             prev = seq;
-            let at_capacity = || self.pairs.load(Ordering::Relaxed) >= self.limits.capacity;
+            let at_capacity = || self.pairs.load(Ordering::Relaxed) + added >= self.limits.capacity;
             if let Some(existing) = blocks.get_mut(engine_hash) {
                 let tiers = existing.tiers() | bit;
                 match seq {
@@ -551,7 +655,7 @@ impl KvIndex {
                             if tiers & b != 0
                                 && self.holders.insert(seq.0, entry.slot, b) == Inserted::NewPair
                             {
-                                self.pairs.fetch_add(1, Ordering::Relaxed);
+                                added += 1;
                             }
                         }
                         out.stored += 1;
@@ -567,7 +671,7 @@ impl KvIndex {
                             if self.holders.insert(existing.seq().0, entry.slot, bit)
                                 == Inserted::NewPair
                             {
-                                self.pairs.fetch_add(1, Ordering::Relaxed);
+                                added += 1;
                             }
                             out.stored += 1;
                         }
@@ -583,7 +687,7 @@ impl KvIndex {
                         break;
                     }
                     if self.holders.insert(seq.0, entry.slot, bit) == Inserted::NewPair {
-                        self.pairs.fetch_add(1, Ordering::Relaxed);
+                        added += 1;
                     }
                     blocks.insert(engine_hash, BlockEntry::new(seq, ns, bit));
                     out.stored += 1;
@@ -597,6 +701,7 @@ impl KvIndex {
                 }
             }
         }
+        self.pairs.fetch_add(added, Ordering::Relaxed);
         let c = &self.counters;
         c.stored.fetch_add(out.stored as u64, Ordering::Relaxed);
         c.unknown_namespace
@@ -717,31 +822,50 @@ impl KvIndex {
         a.begin(slots);
         a.version = registry.version;
         let Some(first) = seqs.first() else { return };
-        for seq in seqs.iter().take(PREFETCH_DISTANCE) {
-            self.holders.prefetch(seq.0, guard);
+        let snap = self.holders.snapshot(guard);
+        a.hashes.clear();
+        a.hashes.extend(seqs.iter().map(|s| snap.hash(s.0)));
+        for &m in a.hashes.iter().take(PREFETCH_DISTANCE) {
+            snap.prefetch(m);
         }
-        let stamp = a.stamp;
-        self.holders.for_each(first.0, guard, |h| {
-            let slot = h.slot() as usize;
-            if slot >= slots || a.mark[slot] == stamp {
-                return; // registered after this query began
+        a.narrow.clear();
+        let wide = snap.visit(first.0, a.hashes[0], |h| a.narrow.push(h));
+        let (start, mut live) = match wide {
+            Some(w) => match Self::walk_wide(seqs, w, slots, &snap, a) {
+                Some(resume) => resume,
+                None => return,
+            },
+            None => {
+                let stamp = a.stamp;
+                for &h in &a.narrow {
+                    let slot = h.slot() as usize;
+                    if slot >= slots || a.mark[slot] == stamp {
+                        continue; // registered after this query began
+                    }
+                    a.mark[slot] = stamp;
+                    a.pos_of[slot] = a.order.len() as u32;
+                    a.device[slot] = if h.tiers() & 0b01 != 0 { UNBROKEN } else { 0 };
+                    a.order.push(slot as u32);
+                }
+                (1, 0)
             }
-            a.mark[slot] = stamp;
-            a.pos_of[slot] = a.order.len() as u32;
-            a.device[slot] = if h.tiers() & 0b01 != 0 { UNBROKEN } else { 0 };
-            a.order.push(slot as u32);
-        });
-        let mut live = 0usize;
-        for (pos, seq) in seqs.iter().enumerate().skip(1) {
+        };
+        let stamp = a.stamp;
+        for (pos, seq) in seqs.iter().enumerate().skip(start) {
             if live == a.order.len() {
                 break;
             }
-            if let Some(ahead) = seqs.get(pos + PREFETCH_DISTANCE) {
-                self.holders.prefetch(ahead.0, guard);
+            if live + 1 == a.order.len() {
+                // One worker left (the usual tail of a prompt): only its own holding matters.
+                Self::walk_one(seqs, pos, &snap, a);
+                return;
+            }
+            if let Some(&ahead) = a.hashes.get(pos + PREFETCH_DISTANCE) {
+                snap.prefetch(ahead);
             }
             // Survivors move to the back of the live range; what stays in front ends here.
             let mut back = a.order.len();
-            self.holders.for_each(seq.0, guard, |h| {
+            let wide = snap.visit(seq.0, a.hashes[pos], |h| {
                 let slot = h.slot() as usize;
                 if slot >= slots || a.mark[slot] != stamp {
                     return;
@@ -759,13 +883,247 @@ impl KvIndex {
                     a.device[slot] = pos as u32;
                 }
             });
+            if let Some(w) = wide {
+                // A widely held block after narrow ones: test each worker still running.
+                let mut i = live;
+                while i < back {
+                    let slot = a.order[i];
+                    let tiers = w.tiers(slot);
+                    if tiers == 0 {
+                        i += 1;
+                        continue;
+                    }
+                    back -= 1;
+                    let other = a.order[back];
+                    a.order.swap(i, back);
+                    a.pos_of[other as usize] = i as u32;
+                    a.pos_of[slot as usize] = back as u32;
+                    if tiers & 0b01 == 0 && a.device[slot as usize] == UNBROKEN {
+                        a.device[slot as usize] = pos as u32;
+                    }
+                }
+            }
             if back > live {
-                a.groups.push((back as u32, pos as u32));
+                a.groups.push(Group {
+                    end: back as u32,
+                    total: pos as u32,
+                    device_full: false,
+                    bits: 0,
+                });
             }
             live = back;
         }
         if live < a.order.len() {
-            a.groups.push((a.order.len() as u32, seqs.len() as u32));
+            a.groups.push(Group {
+                end: a.order.len() as u32,
+                total: seqs.len() as u32,
+                device_full: false,
+                bits: 0,
+            });
+        }
+    }
+
+    /// The rest of the walk from block `from` when one worker is left in the running (the last
+    /// of `order`): each block costs one lookup that stops at that worker's pair.
+    fn walk_one(
+        seqs: &[SequenceHash],
+        from: usize,
+        snap: &holders::Snapshot<'_>,
+        a: &mut QueryAnswer,
+    ) {
+        let Some(&slot) = a.order.last() else { return };
+        let mut device_whole = a.device[slot as usize] == UNBROKEN;
+        let mut pos = from;
+        while let Some(seq) = seqs.get(pos) {
+            if let Some(&ahead) = a.hashes.get(pos + PREFETCH_DISTANCE) {
+                snap.prefetch(ahead);
+            }
+            let mut tiers = 0u8;
+            let wide = snap.visit(seq.0, a.hashes[pos], |h| {
+                if h.slot() == slot {
+                    tiers |= h.tiers();
+                }
+            });
+            if let Some(w) = wide {
+                tiers |= w.tiers(slot);
+            }
+            if tiers == 0 {
+                break;
+            }
+            if device_whole && tiers & 0b01 == 0 {
+                a.device[slot as usize] = pos as u32;
+                device_whole = false;
+            }
+            pos += 1;
+        }
+        a.groups.push(Group {
+            end: a.order.len() as u32,
+            total: pos as u32,
+            device_full: false,
+            bits: 0,
+        });
+    }
+
+    /// The walk while every block so far is widely held: the workers in the running are a
+    /// bitset, so a block costs a few words, not one step per holder. At the first block held
+    /// in slots only, the survivors (its holders) continue in the list form: returns where the
+    /// list walk resumes and where its live range starts; `None` when the answer is complete.
+    fn walk_wide(
+        seqs: &[SequenceHash],
+        first: &holders::Wide,
+        slots: usize,
+        snap: &holders::Snapshot<'_>,
+        a: &mut QueryAnswer,
+    ) -> Option<(usize, usize)> {
+        let words = slots.div_ceil(64).min(
+            first.words().max(
+                a.narrow
+                    .iter()
+                    .map(|h| h.slot() as usize / 64 + 1)
+                    .max()
+                    .unwrap_or(0),
+            ),
+        );
+        for v in [&mut a.any, &mut a.dev, &mut a.blk_any, &mut a.blk_dev] {
+            v.clear();
+            v.resize(words, 0);
+        }
+        a.words = words;
+        Self::block_bits(first, &a.narrow, slots, &mut a.any, &mut a.dev);
+        // Held at block 0 only offloaded: no leading device block.
+        for w in 0..words {
+            bits(a.any[w] & !a.dev[w], |b| a.device[w * 64 + b as usize] = 0);
+        }
+        for (pos, seq) in seqs.iter().enumerate().skip(1) {
+            if let Some(&ahead) = a.hashes.get(pos + PREFETCH_DISTANCE) {
+                snap.prefetch(ahead);
+            }
+            a.narrow.clear();
+            let narrow = &mut a.narrow;
+            let wide = snap.visit(seq.0, a.hashes[pos], |h| narrow.push(h));
+            match wide {
+                Some(w) => {
+                    Self::block_bits(w, &a.narrow, slots, &mut a.blk_any, &mut a.blk_dev);
+                    let mut running = 0u64;
+                    // Ended here with the device run whole, then the rest of those ended here.
+                    for full in [true, false] {
+                        let ended = a.any.iter().zip(&a.blk_any).zip(&a.dev);
+                        close_bits(
+                            &mut a.bit_groups,
+                            &mut a.groups,
+                            &mut a.bit_len,
+                            a.order.len(),
+                            pos as u32,
+                            full,
+                            ended.map(|((&act, &blk), &dev)| {
+                                act & !blk & if full { dev } else { !dev }
+                            }),
+                        );
+                    }
+                    for wd in 0..words {
+                        let keep = a.any[wd] & a.blk_any[wd];
+                        // Still running, but the device run breaks here.
+                        let broke = a.dev[wd] & keep & !a.blk_dev[wd];
+                        bits(broke, |b| a.device[wd * 64 + b as usize] = pos as u32);
+                        a.dev[wd] &= keep & !broke;
+                        a.any[wd] = keep;
+                        running |= keep;
+                    }
+                    if running == 0 {
+                        return None;
+                    }
+                }
+                None => {
+                    // Held in slots only: its holders still running survive, in list form.
+                    a.keep.clear();
+                    for &h in &a.narrow {
+                        let s = h.slot() as usize;
+                        let (wd, bit) = (s / 64, 1u64 << (s % 64));
+                        if s >= slots || wd >= words || a.any[wd] & bit == 0 {
+                            continue;
+                        }
+                        a.any[wd] &= !bit;
+                        if a.dev[wd] & bit != 0 {
+                            a.dev[wd] &= !bit;
+                            a.device[s] = if h.tiers() & 0b01 != 0 {
+                                UNBROKEN
+                            } else {
+                                pos as u32
+                            };
+                        }
+                        a.keep.push(s as u32);
+                    }
+                    for full in [true, false] {
+                        close_bits(
+                            &mut a.bit_groups,
+                            &mut a.groups,
+                            &mut a.bit_len,
+                            a.order.len(),
+                            pos as u32,
+                            full,
+                            a.any
+                                .iter()
+                                .zip(&a.dev)
+                                .map(|(&act, &dev)| act & if full { dev } else { !dev }),
+                        );
+                    }
+                    let live = a.order.len();
+                    let stamp = a.stamp;
+                    for &s in &a.keep {
+                        a.mark[s as usize] = stamp;
+                        a.pos_of[s as usize] = a.order.len() as u32;
+                        a.order.push(s);
+                    }
+                    return Some((pos + 1, live));
+                }
+            }
+        }
+        // Every block held: the workers still running hold the whole prompt.
+        for full in [true, false] {
+            close_bits(
+                &mut a.bit_groups,
+                &mut a.groups,
+                &mut a.bit_len,
+                a.order.len(),
+                seqs.len() as u32,
+                full,
+                a.any
+                    .iter()
+                    .zip(&a.dev)
+                    .map(|(&act, &dev)| act & if full { dev } else { !dev }),
+            );
+        }
+        None
+    }
+
+    /// A wide block's holders as bitsets over the first `any.len()` words: its record's bits
+    /// and those of holders found in slots beside it, none at or beyond `slots`.
+    fn block_bits(
+        w: &holders::Wide,
+        narrow: &[holders::Holder],
+        slots: usize,
+        any: &mut [u64],
+        dev: &mut [u64],
+    ) {
+        for (wd, (a, d)) in any.iter_mut().zip(dev.iter_mut()).enumerate() {
+            let (dv, of) = (w.device(wd), w.offload(wd));
+            *a = dv | of;
+            *d = dv;
+        }
+        for h in narrow {
+            let s = h.slot() as usize;
+            if let (Some(a), Some(d)) = (any.get_mut(s / 64), dev.get_mut(s / 64)) {
+                *a |= 1 << (s % 64);
+                if h.tiers() & 0b01 != 0 {
+                    *d |= 1 << (s % 64);
+                }
+            }
+        }
+        let words = any.len();
+        if words > 0 && words * 64 > slots {
+            let m = u64::MAX >> (words * 64 - slots);
+            any[words - 1] &= m;
+            dev[words - 1] &= m;
         }
     }
 

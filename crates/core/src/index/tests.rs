@@ -542,7 +542,16 @@ fn engine_hash(parent: Option<u64>, tokens: &[u32], tenant: u8) -> u64 {
 }
 
 fn run_ops(ops: Vec<Op>) -> Result<(), TestCaseError> {
-    let idx = KvIndex::new(BS, IndexLimits::default());
+    run_ops_on(KvIndex::new(BS, IndexLimits::default()), ops)
+}
+
+/// An index whose keys move into wide records at two holders and back below two.
+fn wide_index() -> KvIndex {
+    let rule = holders::WideRule { min: 2, keep: 2 };
+    KvIndex::with_holders(BS, IndexLimits::default(), HolderTable::with_rule(rule))
+}
+
+fn run_ops_on(idx: KvIndex, ops: Vec<Op>) -> Result<(), TestCaseError> {
     let mut naive = Naive::default();
     for i in 0..4u8 {
         idx.add_worker(w(i));
@@ -699,6 +708,13 @@ proptest! {
     #[test]
     fn index_matches_naive_model(ops in prop::collection::vec(op(), 1..60)) {
         run_ops(ops)?;
+    }
+
+    /// The same with every block held by two or more workers in a wide record: moving keys
+    /// between slots and records, and the query's bitset walk, answer as the model does.
+    #[test]
+    fn index_with_wide_records_matches_naive_model(ops in prop::collection::vec(op(), 1..60)) {
+        run_ops_on(wide_index(), ops)?;
     }
 }
 
@@ -1254,5 +1270,164 @@ proptest! {
         extra in prop::collection::vec(dup_op(), 0..10),
     ) {
         run_dup_ops(ops, extra)?;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Wide records: the same answers as an index that keeps every pair in slots.
+
+#[derive(Clone, Debug)]
+enum WideOp {
+    /// Worker stores blocks `from..to` of shared prompt `prompt` (continuing its own block
+    /// `from - 1` when `from > 0`).
+    Store {
+        worker: u8,
+        prompt: u8,
+        from: u8,
+        to: u8,
+        offload: bool,
+    },
+    Remove {
+        worker: u8,
+        prompt: u8,
+        block: u8,
+        offload: bool,
+    },
+    Clear {
+        worker: u8,
+    },
+    Query {
+        prompt: u8,
+        len: u8,
+    },
+}
+
+const WIDE_WORKERS: u8 = 40;
+const WIDE_BLOCKS: u8 = 5;
+
+fn wide_op() -> impl Strategy<Value = WideOp> {
+    let w = 0..WIDE_WORKERS;
+    prop_oneof![
+        8 => (w.clone(), 0u8..2, 0..WIDE_BLOCKS, 1..=WIDE_BLOCKS, any::<bool>()).prop_map(|(worker, prompt, a, b, offload)| {
+            WideOp::Store { worker, prompt, from: a.min(b - 1), to: b, offload }
+        }),
+        3 => (w.clone(), 0u8..2, 0..WIDE_BLOCKS, any::<bool>()).prop_map(|(worker, prompt, block, offload)| WideOp::Remove { worker, prompt, block, offload }),
+        1 => w.prop_map(|worker| WideOp::Clear { worker }),
+        3 => (0u8..2, 1..=WIDE_BLOCKS).prop_map(|(prompt, len)| WideOp::Query { prompt, len }),
+    ]
+}
+
+fn wide_prompt(prompt: u8) -> Vec<u32> {
+    (0..u32::from(WIDE_BLOCKS) * BS as u32)
+        .map(|t| t + 1000 * u32::from(prompt))
+        .collect()
+}
+
+fn engine(prompt: u8, block: u8) -> u64 {
+    u64::from(prompt) * 100 + u64::from(block) + 1
+}
+
+fn apply_wide_op(idx: &KvIndex, op: &WideOp) {
+    match *op {
+        WideOp::Store {
+            worker,
+            prompt,
+            from,
+            to,
+            offload,
+        } => {
+            let t = wide_prompt(prompt);
+            let hashes: Vec<u64> = (from..to).map(|b| engine(prompt, b)).collect();
+            let parent = (from > 0).then(|| engine(prompt, from - 1));
+            let medium = if offload {
+                Medium::Offload
+            } else {
+                Medium::Device
+            };
+            let tokens = &t[from as usize * BS..to as usize * BS];
+            store(
+                idx,
+                w(worker),
+                parent,
+                HashSeed::UNSALTED,
+                &hashes,
+                tokens,
+                medium,
+            );
+        }
+        WideOp::Remove {
+            worker,
+            prompt,
+            block,
+            offload,
+        } => {
+            let medium = if offload {
+                Medium::Offload
+            } else {
+                Medium::Device
+            };
+            idx.remove(
+                &w(worker),
+                &[EngineBlockHash(engine(prompt, block))],
+                medium,
+            )
+            .unwrap();
+        }
+        WideOp::Clear { worker } => {
+            idx.clear_worker(&w(worker)).unwrap();
+        }
+        WideOp::Query { .. } => {}
+    }
+}
+
+fn answers(idx: &KvIndex, prompt: u8, len: u8) -> (Vec<(WorkerId, u32, u32)>, u32) {
+    let q = seqs(
+        &wide_prompt(prompt)[..len as usize * BS],
+        HashSeed::UNSALTED,
+    );
+    let mut rows: Vec<_> = idx
+        .query(&q)
+        .into_iter()
+        .map(|o| (o.worker, o.device_blocks, o.total_blocks))
+        .collect();
+    rows.sort();
+    (rows, idx.best_total_blocks(&q))
+}
+
+proptest! {
+    #![proptest_config(seeded(200, 0x7769_6465))]
+    /// Forty workers sharing two prompts: blocks held by many go wide (and back), and every
+    /// answer equals that of an index that never does, under both the default rule and one
+    /// that moves keys at two holders.
+    #[test]
+    fn wide_records_answer_as_slots_do(ops in prop::collection::vec(wide_op(), 1..120)) {
+        let slots_only = KvIndex::with_holders(
+            BS,
+            IndexLimits::default(),
+            HolderTable::with_rule(holders::WideRule { min: usize::MAX, keep: 0 }),
+        );
+        let default = KvIndex::new(BS, IndexLimits::default());
+        let eager = wide_index();
+        for idx in [&slots_only, &default, &eager] {
+            for i in 0..WIDE_WORKERS {
+                idx.add_worker(w(i));
+            }
+        }
+        for op in &ops {
+            for idx in [&slots_only, &default, &eager] {
+                apply_wide_op(idx, op);
+            }
+            let probes: Vec<(u8, u8)> = match *op {
+                WideOp::Query { prompt, len } => vec![(prompt, len)],
+                _ => vec![(0, WIDE_BLOCKS), (1, WIDE_BLOCKS)],
+            };
+            for (prompt, len) in probes {
+                let want = answers(&slots_only, prompt, len);
+                prop_assert_eq!(&answers(&default, prompt, len), &want);
+                prop_assert_eq!(&answers(&eager, prompt, len), &want);
+            }
+            prop_assert_eq!(default.pairs(), slots_only.pairs());
+            prop_assert_eq!(eager.pairs(), slots_only.pairs());
+        }
     }
 }

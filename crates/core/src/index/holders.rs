@@ -41,10 +41,12 @@ use parking_lot::Mutex;
 pub const SHARDS: usize = 8;
 const SHARD_BITS: u32 = SHARDS.trailing_zeros();
 const MIN_CAPACITY: usize = 64;
-/// Most slots (live or tombstone) a table may fill, as a fraction. A lookup of a multimap reads
-/// its whole probe run (to the first empty slot), whose expected length grows as
-/// 1/(1 - load)²: ~32 slots at 7/8, ~8 at 3/4.
-const MAX_LOAD: (usize, usize) = (3, 4);
+/// Most slots (live or tombstone) a table may fill, as a fraction. A lookup that must read a
+/// whole probe run (to the first empty slot: writers, a key nobody holds) reads about
+/// (1 + 1/(1 - load)²)/2 slots, ~15 at 13/16 (~32 at 7/8); a reader finding a key held once
+/// stops at its pair ([`MORE`]), ~3 slots. Tables grow by half (not double), so they sit
+/// between ~0.54 and 0.81 full.
+const MAX_LOAD: (usize, usize) = (13, 16);
 /// The holder value of a removed pair: its key stays, so probe runs stay whole for readers.
 pub const TOMBSTONE: u32 = u32::MAX;
 /// Worker slots a holder can carry (the all-ones slot is the tombstone's).
@@ -258,15 +260,28 @@ impl Slot {
 
 struct Table {
     slots: SlotArray,
-    mask: usize,
+    cap: usize,
 }
 
 impl Table {
     fn with_capacity(cap: usize) -> Table {
         Table {
             slots: SlotArray::zeroed(cap),
-            mask: cap - 1,
+            cap,
         }
+    }
+
+    /// The home slot of a key hashed to `m`: the bits below the shard's, scaled to the
+    /// capacity (any capacity, not only powers of two).
+    #[inline]
+    fn home(&self, m: u64) -> usize {
+        ((u128::from(m << SHARD_BITS) * self.cap as u128) >> 64) as usize
+    }
+
+    /// The slot after `i` in probe order.
+    #[inline]
+    fn next(&self, i: usize) -> usize {
+        if i + 1 == self.cap { 0 } else { i + 1 }
     }
 
     fn bytes(&self) -> usize {
@@ -427,9 +442,9 @@ struct Shard {
 /// Tables and wide records replaced but not yet freed (all holder tables of the process).
 static RETIRED: AtomicUsize = AtomicUsize::new(0);
 
-/// The smallest table for `live` pairs at most half full (the size a shrinking table takes).
+/// A table for `live` pairs half full (the size a shrinking table takes).
 fn capacity_for(live: usize) -> usize {
-    (live * 2).next_power_of_two().max(MIN_CAPACITY)
+    (live * 2).max(MIN_CAPACITY)
 }
 
 /// Frees retired tables that no reader can hold any more. Each round publishes this thread's
@@ -522,7 +537,7 @@ impl HolderTable {
             let guard = epoch::pin();
             // SAFETY: only writers holding `writer` replace the table, and we hold it.
             let mut table = unsafe { shard.table.load(Ordering::Relaxed, &guard).deref() };
-            let mut i = m as usize & table.mask;
+            let mut i = table.home(m);
             let mut reusable = None;
             let mut same_key = 0usize;
             let mut top = slot;
@@ -547,7 +562,7 @@ impl HolderTable {
                         last_live = Some(i);
                     }
                 }
-                i = (i + 1) & table.mask;
+                i = table.next(i);
             }
             let holder = Holder::new(slot, tiers).0;
             state.len += 1;
@@ -555,12 +570,12 @@ impl HolderTable {
             let mut rebuilt = false;
             if let Some(t) = reusable {
                 // A tombstone of the same key: its key is already right for any reader.
-                Self::place(table, key, m, holder, Some(t));
+                Self::reuse(table, key, m, holder, t);
             } else {
                 if (state.used + 1) * MAX_LOAD.1 > table.slots.len() * MAX_LOAD.0 {
                     table = self.grow(shard, &mut state, table, &guard);
                     rebuilt = true;
-                    Self::place(table, key, m, holder, None);
+                    Self::append(table, key, m, holder);
                 } else {
                     // The scan stopped at the run's first empty slot. Every live slot of the
                     // key but its last already carries MORE; the last gets it once the new
@@ -597,60 +612,68 @@ impl HolderTable {
         guard: &'g Guard,
     ) -> &'g Table {
         let cap = table.slots.len();
-        let cap = if state.len * 2 >= cap { cap * 2 } else { cap };
+        let cap = if state.len * 8 >= cap * 5 {
+            cap * 3 / 2
+        } else {
+            cap
+        };
         self.rebuild(shard, state, table, cap, guard)
     }
 
-    /// The first empty slot of the run starting at `m`'s home.
-    fn first_empty(table: &Table, m: u64) -> usize {
-        let mut i = m as usize & table.mask;
-        while table.slots[i].holder() != 0 {
-            i = (i + 1) & table.mask;
+    /// Writes a live slot of `key` (`holder` without [`MORE`]) at the first empty slot of its
+    /// run, in one pass: every live slot of the key but its last already carries `MORE` (the
+    /// invariant), and the last gets it once the new slot is visible. Writer only.
+    fn append(table: &Table, key: u64, m: u64, holder: u32) {
+        let mut i = table.home(m);
+        let mut last = None;
+        loop {
+            let h = table.slots[i].holder();
+            if h == 0 {
+                break;
+            }
+            if h != TOMBSTONE && table.slots[i].key() == key {
+                last = Some(i);
+            }
+            i = table.next(i);
         }
-        i
+        table.slots[i].set(key, holder);
+        if let Some(p) = last {
+            let h = table.slots[p].holder();
+            if h & MORE == 0 {
+                table.slots[p].holder.store(h | MORE, Ordering::Release);
+            }
+        }
     }
 
-    /// Writes a live slot of `key` (`holder` without [`MORE`]): into the tombstone `reuse` of
-    /// the same key, or else at the first empty slot of its run. The new slot carries `MORE`
-    /// when a live slot of the key follows it; then every earlier live slot of the key gets
-    /// `MORE`, once the new one is visible. Writer only.
-    fn place(table: &Table, key: u64, m: u64, holder: u32, reuse: Option<usize>) -> usize {
+    /// Writes a live slot of `key` (`holder` without [`MORE`]) into `t`, a tombstone of the same
+    /// key. The slot carries `MORE` when a live slot of the key follows it; then every earlier
+    /// live slot of the key gets `MORE`, once the new one is visible. Writer only.
+    fn reuse(table: &Table, key: u64, m: u64, holder: u32, t: usize) {
         let live_key = |i: usize| {
             let h = table.slots[i].holder();
             h != 0 && h != TOMBSTONE && table.slots[i].key() == key
         };
-        let (at, later) = match reuse {
-            Some(t) => {
-                let mut i = (t + 1) & table.mask;
-                let mut later = false;
-                while table.slots[i].holder() != 0 {
-                    if live_key(i) {
-                        later = true;
-                        break;
-                    }
-                    i = (i + 1) & table.mask;
-                }
-                (t, later)
+        let mut i = table.next(t);
+        let mut later = false;
+        while table.slots[i].holder() != 0 {
+            if live_key(i) {
+                later = true;
+                break;
             }
-            None => (Self::first_empty(table, m), false),
-        };
-        let value = holder | if later { MORE } else { 0 };
-        if reuse.is_some() {
-            table.slots[at].holder.store(value, Ordering::Release);
-        } else {
-            table.slots[at].set(key, value);
+            i = table.next(i);
         }
-        let mut i = m as usize & table.mask;
-        while i != at {
+        let value = holder | if later { MORE } else { 0 };
+        table.slots[t].holder.store(value, Ordering::Release);
+        let mut i = table.home(m);
+        while i != t {
             if live_key(i) {
                 let h = table.slots[i].holder();
                 if h & MORE == 0 {
                     table.slots[i].holder.store(h | MORE, Ordering::Release);
                 }
             }
-            i = (i + 1) & table.mask;
+            i = table.next(i);
         }
-        at
     }
 
     /// The wide record `id` of a shard (writer side: it exists).
@@ -752,10 +775,10 @@ impl HolderTable {
             table = self.grow(shard, state, table, guard);
             rebuilt = true;
         }
-        Self::place(table, key, m, wide_ref(id), None);
+        Self::append(table, key, m, wide_ref(id));
         state.used += 1;
         state.len += 1;
-        let mut i = m as usize & table.mask;
+        let mut i = table.home(m);
         loop {
             let h = table.slots[i].holder();
             if h == 0 {
@@ -765,7 +788,7 @@ impl HolderTable {
                 table.slots[i].holder.store(TOMBSTONE, Ordering::Release);
                 state.len -= 1;
             }
-            i = (i + 1) & table.mask;
+            i = table.next(i);
         }
         rebuilt
     }
@@ -804,7 +827,7 @@ impl HolderTable {
 
     /// Calls `f` with every live holder value of `key` in `table` (writer side).
     fn for_each_slot(table: &Table, key: u64, m: u64, mut f: impl FnMut(u32)) {
-        let mut i = m as usize & table.mask;
+        let mut i = table.home(m);
         loop {
             let h = table.slots[i].holder();
             if h == 0 {
@@ -813,7 +836,7 @@ impl HolderTable {
             if h != TOMBSTONE && table.slots[i].key() == key {
                 f(h);
             }
-            i = (i + 1) & table.mask;
+            i = table.next(i);
         }
     }
     /// Copies the live pairs into a new table of `cap` slots (dropping tombstones) and publishes
@@ -834,7 +857,7 @@ impl HolderTable {
                 continue;
             }
             let k = slot.key();
-            Self::place(&new, k, mix(k ^ self.secret), h & !MORE, None);
+            Self::append(&new, k, mix(k ^ self.secret), h & !MORE);
         }
         state.used = state.len;
         let old_ptr = shard.table.swap(Owned::new(new), Ordering::AcqRel, guard);
@@ -861,7 +884,7 @@ impl HolderTable {
             let guard = epoch::pin();
             // SAFETY: see `insert`.
             let table = unsafe { shard.table.load(Ordering::Relaxed, &guard).deref() };
-            let mut i = m as usize & table.mask;
+            let mut i = table.home(m);
             loop {
                 let h = table.slots[i].holder();
                 if h == 0 {
@@ -873,7 +896,7 @@ impl HolderTable {
                 {
                     break;
                 }
-                i = (i + 1) & table.mask;
+                i = table.next(i);
             }
             let h = table.slots[i].holder();
             if is_wide(h) {
@@ -951,11 +974,11 @@ impl HolderTable {
             rebuilt = true;
         }
         for h in rec.holders() {
-            Self::place(table, key, m, h.0, None);
+            Self::append(table, key, m, h.0);
             state.used += 1;
             state.len += 1;
         }
-        let mut i = m as usize & table.mask;
+        let mut i = table.home(m);
         loop {
             let h = table.slots[i].holder();
             if h == 0 {
@@ -966,7 +989,7 @@ impl HolderTable {
                 state.len -= 1;
                 break;
             }
-            i = (i + 1) & table.mask;
+            i = table.next(i);
         }
         state.wide_bytes -= rec.bytes();
         // SAFETY: as in `wide_of`.
@@ -1085,7 +1108,7 @@ impl<'g> Snapshot<'g> {
         #[cfg(target_arch = "x86_64")]
         {
             let table = self.tables[(m >> (64 - SHARD_BITS)) as usize];
-            let i = m as usize & table.mask;
+            let i = table.home(m);
             use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
             // SAFETY: prefetch is a hint with no memory-safety requirements; `i` is in bounds.
             unsafe {
@@ -1103,10 +1126,10 @@ impl<'g> Snapshot<'g> {
     pub fn visit(&self, key: u64, m: u64, mut f: impl FnMut(Holder)) -> Option<&'g Wide> {
         let s = (m >> (64 - SHARD_BITS)) as usize;
         let table = self.tables[s];
-        let mut i = m as usize & table.mask;
+        let mut i = table.home(m);
         let mut wide = None;
         // Every table keeps an empty slot; the bound is belt and braces.
-        for _ in 0..=table.mask {
+        for _ in 0..table.cap {
             let h = table.slots[i].holder();
             if h == 0 {
                 break;
@@ -1127,7 +1150,7 @@ impl<'g> Snapshot<'g> {
                     break;
                 }
             }
-            i = (i + 1) & table.mask;
+            i = table.next(i);
         }
         wide
     }

@@ -458,13 +458,20 @@ mod tests {
             // Keys from a small range (many collisions of runs), some sequential.
             for _ in 0..20_000 {
                 let r = next();
-                let key = if r % 3 == 0 { r % 64 } else { r % 5_000 + round };
+                let key = if r % 3 == 0 {
+                    r % 64
+                } else {
+                    r % 5_000 + round
+                };
                 let e = BlockEntry::new(SequenceHash(r), (r % 7) as u32, 1 + (r % 3) as u8);
                 if r % 5 < 3 {
                     map.insert(Key::from(EngineBlockHash(key)), e);
                     model.insert(key, e);
                 } else {
-                    assert_eq!(map.remove(Key::from(EngineBlockHash(key))), model.remove(&key));
+                    assert_eq!(
+                        map.remove(Key::from(EngineBlockHash(key))),
+                        model.remove(&key)
+                    );
                 }
                 assert_eq!(map.len, model.len());
             }

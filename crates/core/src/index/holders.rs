@@ -1273,6 +1273,93 @@ mod tests {
     }
 
     #[test]
+    fn keys_move_into_wide_records_and_back() {
+        let t = HolderTable::new();
+        for w in 0..40 {
+            assert_eq!(
+                t.insert(9, w, if w % 2 == 0 { 1 } else { 2 }),
+                Inserted::NewPair
+            );
+        }
+        assert_eq!(t.insert(9, 3, 1), Inserted::Merged);
+        let want: Vec<(u32, u8)> = (0..40)
+            .map(|w| {
+                (
+                    w,
+                    if w == 3 {
+                        3
+                    } else if w % 2 == 0 {
+                        1
+                    } else {
+                        2
+                    },
+                )
+            })
+            .collect();
+        assert_eq!(holders(&t, 9), want);
+        // A slot far beyond the record's words grows it.
+        assert_eq!(t.insert(9, 1_000, 1), Inserted::NewPair);
+        assert_eq!(t.len(), 41);
+        assert_eq!(t.remove(9, 1_000, 1), Some(0));
+        assert_eq!(t.remove(9, 3, 1), Some(2));
+        assert_eq!(t.remove(9, 77, 1), None);
+        // Down to a few holders: back into slots, still exact.
+        for w in 3..40 {
+            assert_eq!(t.remove(9, w, 3), Some(0));
+        }
+        assert_eq!(holders(&t, 9), vec![(0, 1), (1, 2), (2, 1)]);
+        assert_eq!(t.len(), 3);
+        for w in 0..3 {
+            t.remove(9, w, 3);
+        }
+        assert!(t.is_empty());
+        assert_eq!(
+            t.table_bytes()
+                - t.shards
+                    .iter()
+                    .map(|s| s.writer.lock().wide_bytes)
+                    .sum::<usize>(),
+            SHARDS * MIN_CAPACITY * 12
+        );
+    }
+
+    #[test]
+    fn readers_never_miss_a_pair_while_its_key_moves_between_slots_and_a_record() {
+        use std::sync::Arc;
+        let t = Arc::new(HolderTable::new());
+        // Key 5 always has holders 0..3; a writer adds and removes 3..40 around them, so the key
+        // moves into a wide record and back, over and over.
+        for w in 0..3 {
+            t.insert(5, w, 1);
+        }
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let writer = {
+            let (t, stop) = (t.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut rounds = 0u32;
+                while !stop.load(Ordering::Relaxed) || rounds < 3 {
+                    for w in 3..40 {
+                        t.insert(5, w, 1);
+                    }
+                    for w in 3..40 {
+                        t.remove(5, w, 1);
+                    }
+                    rounds += 1;
+                }
+            })
+        };
+        for _ in 0..20_000 {
+            let seen = holders(&t, 5);
+            for w in 0..3 {
+                assert!(seen.contains(&(w, 1)), "holder {w} missing from {seen:?}");
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        writer.join().unwrap();
+        assert_eq!(holders(&t, 5), vec![(0, 1), (1, 1), (2, 1)]);
+    }
+
+    #[test]
     fn readers_see_consistent_holders_while_writers_churn() {
         use std::sync::Arc;
         let t = Arc::new(HolderTable::new());

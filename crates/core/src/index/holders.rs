@@ -542,6 +542,7 @@ impl HolderTable {
             let mut same_key = 0usize;
             let mut top = slot;
             let mut last_live = None;
+            let mut moved_back = false;
             loop {
                 let h = table.slots[i].holder();
                 if h == 0 {
@@ -551,7 +552,22 @@ impl HolderTable {
                     if h == TOMBSTONE {
                         reusable.get_or_insert(i);
                     } else if is_wide(h) {
-                        return self.wide_insert(shard, &mut state, h >> 3, slot, tiers, &guard);
+                        let id = h >> 3;
+                        if let Some(r) =
+                            self.wide_insert(shard, &mut state, id, slot, tiers, &guard)
+                        {
+                            return r;
+                        }
+                        let rec = Self::wide_of(shard, id, &guard);
+                        let count = rec.count.load(Ordering::Relaxed) as usize;
+                        moved_back |=
+                            self.demote(shard, &mut state, table, key, m, id, rec, count, &guard);
+                        // Scan the key's run again, now in slots.
+                        // SAFETY: as above.
+                        table = unsafe { shard.table.load(Ordering::Relaxed, &guard).deref() };
+                        i = table.home(m);
+                        (reusable, same_key, top, last_live) = (None, 0, slot, None);
+                        continue;
                     } else if Holder(h).slot() == slot {
                         let merged = Holder::new(slot, Holder(h).tiers() | tiers).0 | (h & MORE);
                         table.slots[i].holder.store(merged, Ordering::Release);
@@ -593,6 +609,7 @@ impl HolderTable {
             if same_key + 1 >= self.wide.promote_at(words_for(top)) {
                 rebuilt |= self.promote(shard, &mut state, key, m, words_for(top), &guard);
             }
+            rebuilt |= moved_back;
             (Inserted::NewPair, rebuilt)
         };
         if rebuilt {
@@ -697,9 +714,15 @@ impl HolderTable {
         slot: u32,
         tiers: u8,
         guard: &Guard,
-    ) -> Inserted {
+    ) -> Option<Inserted> {
         let mut rec = Self::wide_of(shard, id, guard);
         if slot as usize >= rec.words * 64 {
+            let count = rec.count.load(Ordering::Relaxed) as usize;
+            if count + 1 < self.wide.promote_at(words_for(slot)) {
+                // Bits for a far slot would outweigh the slots of these holders: the caller
+                // moves them back into slots first.
+                return None;
+            }
             let bigger = Wide::new(rec.key, words_for(slot));
             for (w, b) in rec.bits[..rec.words].iter().enumerate() {
                 bigger.bits[w].store(b.load(Ordering::Relaxed), Ordering::Relaxed);
@@ -719,11 +742,11 @@ impl HolderTable {
         let had = rec.tiers(slot);
         rec.add(slot, tiers);
         if had != 0 {
-            return Inserted::Merged;
+            return Some(Inserted::Merged);
         }
         rec.count.fetch_add(1, Ordering::Relaxed);
         state.pairs += 1;
-        Inserted::NewPair
+        Some(Inserted::NewPair)
     }
 
     /// Frees a replaced record once no reader can hold it.
@@ -964,7 +987,28 @@ impl HolderTable {
         if self.wide.stays(rec.words, count) {
             return Some((0, false));
         }
-        // Back into slots (none when empty), published before the reference goes.
+        Some((
+            0,
+            self.demote(shard, state, table, key, m, id, rec, count, guard),
+        ))
+    }
+
+    /// Moves the `count` holders of wide record `id` back into slots of `table`, published
+    /// before the reference becomes a tombstone, and retires the record. Returns whether a
+    /// table was rebuilt.
+    #[allow(clippy::too_many_arguments)]
+    fn demote(
+        &self,
+        shard: &Shard,
+        state: &mut ShardState,
+        table: &Table,
+        key: u64,
+        m: u64,
+        id: u32,
+        rec: &Wide,
+        count: usize,
+        guard: &Guard,
+    ) -> bool {
         let mut table = table;
         let mut rebuilt = false;
         if (state.used + count) * MAX_LOAD.1 > table.slots.len() * MAX_LOAD.0 {
@@ -998,7 +1042,7 @@ impl HolderTable {
         Self::retire(old, guard);
         state.wide_free.push(id);
         rebuilt |= self.maybe_shrink(shard, state, guard);
-        Some((0, rebuilt))
+        rebuilt
     }
 
     /// Appends every holder of `key` to `out`: each pair as it stood at one moment of the
@@ -1321,6 +1365,38 @@ mod tests {
                     .sum::<usize>(),
             SHARDS * MIN_CAPACITY * 12
         );
+    }
+
+    #[test]
+    fn a_far_worker_slot_moves_a_sparse_record_back_into_slots() {
+        let t = HolderTable::new();
+        for w in 0..17 {
+            t.insert(4, w, 1);
+        }
+        let records = |t: &HolderTable| -> usize {
+            t.shards
+                .iter()
+                .map(|s| {
+                    let guard = epoch::pin();
+                    let dir = s.wides.load(Ordering::Acquire, &guard);
+                    // SAFETY: pinned.
+                    unsafe { dir.as_ref() }.map_or(0, |d| {
+                        d.entries
+                            .iter()
+                            .filter(|e| !e.load(Ordering::Acquire, &guard).is_null())
+                            .count()
+                    })
+                })
+                .sum()
+        };
+        assert_eq!(records(&t), 1, "17 holders: one wide record");
+        // Slot 5,000 would need 79 words for 18 holders: they go back into slots instead.
+        assert_eq!(t.insert(4, 5_000, 2), Inserted::NewPair);
+        assert_eq!(records(&t), 0);
+        let mut want: Vec<(u32, u8)> = (0..17).map(|w| (w, 1)).collect();
+        want.push((5_000, 2));
+        assert_eq!(holders(&t, 4), want);
+        assert_eq!(t.len(), 18);
     }
 
     #[test]

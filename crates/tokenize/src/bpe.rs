@@ -176,8 +176,9 @@ impl WordCache {
 /// Working memory of one encode call, reused across its words.
 #[derive(Default)]
 struct Scratch {
-    /// Per symbol: id, previous, next (`u32::MAX` = none), removed.
-    symbols: Vec<(u32, u32, u32, bool)>,
+    /// Per symbol: id (`u32::MAX` once merged into its left neighbour), previous, next
+    /// (`u32::MAX` = none): 12 bytes per byte of the word, plus the heap's 12 per pair.
+    symbols: Vec<(u32, u32, u32)>,
     /// Pending merges: (rank, position, new id), lowest rank then leftmost first.
     heap: BinaryHeap<std::cmp::Reverse<(u32, u32, u32)>>,
 }
@@ -283,9 +284,16 @@ impl FastBpe {
         let mut buf = [0u8; 4];
         for (b, c) in chars.iter().enumerate() {
             let id = vocab.get(&*c.encode_utf8(&mut buf))?.as_u64()?;
-            byte_ids[b] = u32::try_from(id).ok()?;
+            byte_ids[b] = u32::try_from(id).ok().filter(|&id| id != u32::MAX)?;
         }
-        let id_of = |s: &str| vocab.get(s)?.as_u64().and_then(|i| u32::try_from(i).ok());
+        // `u32::MAX` marks merged symbols: never an id.
+        let id_of = |s: &str| {
+            vocab
+                .get(s)?
+                .as_u64()
+                .and_then(|i| u32::try_from(i).ok())
+                .filter(|&i| i != u32::MAX)
+        };
         let mut merges = PairMap::default();
         for (rank, pair) in model["merges"].as_array()?.iter().enumerate() {
             let (a, b) = match pair {
@@ -455,7 +463,6 @@ impl FastBpe {
                 self.byte_ids[b as usize],
                 if i == 0 { NONE } else { i - 1 },
                 if i + 1 == n { NONE } else { i + 1 },
-                false,
             )
         }));
         let pair = |a: u32, b: u32| u64::from(a) << 32 | u64::from(b);
@@ -466,16 +473,16 @@ impl FastBpe {
         }
         while let Some(std::cmp::Reverse((_, pos, new_id))) = heap.pop() {
             let p = pos as usize;
-            let (left, prev, next, removed) = symbols[p];
-            if removed || next == NONE {
+            let (left, prev, next) = symbols[p];
+            if left == NONE || next == NONE {
                 continue;
             }
             let right = symbols[next as usize];
             if self.merges.get(&pair(left, right.0)).map(|m| m.1) != Some(new_id) {
                 continue;
             }
-            symbols[p] = (new_id, prev, right.2, false);
-            symbols[next as usize].3 = true;
+            symbols[p] = (new_id, prev, right.2);
+            symbols[next as usize].0 = NONE;
             if right.2 != NONE {
                 symbols[right.2 as usize].1 = pos;
             }
@@ -491,7 +498,7 @@ impl FastBpe {
                 heap.push(std::cmp::Reverse((rank, pos, id)));
             }
         }
-        out.extend(symbols.iter().filter(|s| !s.3).map(|s| s.0));
+        out.extend(symbols.iter().filter(|s| s.0 != NONE).map(|s| s.0));
     }
 }
 

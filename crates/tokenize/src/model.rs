@@ -565,10 +565,12 @@ impl ModelTokenizer {
             vars.insert(Value::from(name.as_str()), value.clone().into_value());
         }
 
-        let rendered = template.render(Value::from(vars)).map_err(|e| match e {
+        let mut rendered = template.render(Value::from(vars)).map_err(|e| match e {
             RenderError::Raised(m) => TokenizeError::TemplateRejected(m),
             RenderError::Failed(m) => TokenizeError::TemplateFailed(m),
         })?;
+        // The renderer's buffer grew by doubling; the text lives through the whole encode.
+        rendered.shrink_to_fit();
         if args.continue_final_message {
             cut_at_continue_tag(&rendered, &last.content).ok_or(
                 TokenizeError::ContinueFinalMessage(

@@ -408,6 +408,10 @@ proptest::proptest! {
         for (name, files) in families_cached() {
             let whole = files.encode_whole(&text, false).unwrap();
             proptest::prop_assert_eq!(
+                &whole, &files.encode_with_tokenizers_crate(&text, false).unwrap(),
+                "{} own encoder vs the tokenizers crate", name
+            );
+            proptest::prop_assert_eq!(
                 &files.encode_at_every_cut(&text).unwrap(), &whole, "{} every cut", name
             );
             proptest::prop_assert_eq!(&files.encode(&text, false).unwrap(), &whole, "{} cached", name);
@@ -430,6 +434,29 @@ fn families_cached() -> &'static [(&'static str, ModelTokenizer)] {
             .map(|(name, files)| (name, ModelTokenizer::load(&files).expect("load")))
             .collect()
     })
+}
+
+#[test]
+fn own_encoder_for_known_families_and_the_crate_for_others() {
+    for (name, tok) in families_cached() {
+        assert!(tok.uses_own_encoder(), "{name}");
+    }
+    // A pre-tokenizer step our encoder does not reproduce (a prefix space): the tokenizers
+    // crate encodes, with the same results as ever.
+    let dir = std::env::temp_dir().join(format!("kv-epp-fallback-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = std::fs::read_to_string(fixtures().join("small-bpe/tokenizer.json")).unwrap();
+    let mut json: Value = serde_json::from_str(&text).unwrap();
+    json["pre_tokenizer"]["pretokenizers"][1]["add_prefix_space"] = Value::Bool(true);
+    std::fs::write(dir.join("tokenizer.json"), json.to_string()).unwrap();
+    let tok = ModelTokenizer::load(&TokenizerFiles::in_dir(&dir)).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(!tok.uses_own_encoder());
+    let text = "<|im_start|>user\nHello world's 123 東京 😀<|im_end|>\n".repeat(40);
+    assert_eq!(
+        tok.encode(&text, false).unwrap(),
+        tok.encode_with_tokenizers_crate(&text, false).unwrap()
+    );
 }
 
 #[test]

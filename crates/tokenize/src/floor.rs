@@ -24,13 +24,11 @@ pub(crate) struct TokenFloor {
 
 impl TokenFloor {
     /// The bound for `tokenizer` (`bytes_per_token == 0` when none is sound).
-    pub(crate) fn of(tokenizer: &Tokenizer) -> TokenFloor {
+    /// `json` is the tokenizer's serialization.
+    pub(crate) fn of(tokenizer: &Tokenizer, json: &Value) -> TokenFloor {
         let none = TokenFloor {
             bytes_per_token: 0,
             skip_whitespace: false,
-        };
-        let Ok(json) = serde_json::to_value(tokenizer) else {
-            return none;
         };
         let model = &json["model"];
         if model["type"] != "BPE" || model["fuse_unk"] == true {

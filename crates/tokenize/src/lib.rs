@@ -15,6 +15,9 @@
 //! - [`request`]: OpenAI bodies and their defaults (`responses`: `/v1/responses` bodies);
 //!   [`messages`]: what the template sees; [`vllm`]: what vLLM's server changes before rendering.
 //! - [`model`]: loading `tokenizer.json` / `tokenizer_config.json` once; encoding; rendering.
+//! - `bpe`, `pretok`: our own byte-level BPE encoder (ids only, bounded memory) for the
+//!   configurations it reproduces exactly (GPT-2, Llama 3, Qwen 2, DeepSeek V3 split regexes);
+//!   the `tokenizers` crate encodes the rest.
 //! - `template`, `pystr`, `pyjson`, `strftime`: Jinja2-under-Python semantics on minijinja.
 //! - [`json`]: an order-preserving JSON tree for tools and tool calls.
 //! - `cuts`: where a prompt can be cut with encode(a + b) == encode(a) ++ encode(b), proved
@@ -24,6 +27,7 @@
 //! Invariant: nothing here depends on a clock except `strftime_now`, and nothing does I/O after
 //! [`ModelTokenizer::load`].
 
+mod bpe;
 pub mod catalog;
 mod cuts;
 pub mod error;
@@ -31,6 +35,7 @@ mod floor;
 pub mod json;
 pub mod messages;
 pub mod model;
+mod pretok;
 pub mod pyjson;
 pub mod pystr;
 pub mod request;

@@ -16,6 +16,7 @@ use minijinja::Value;
 use serde_json::Value as JsonValue;
 use tokenizers::Tokenizer;
 
+use super::bpe::FastBpe;
 use super::error::{LoadError, TokenizeError, Unrenderable};
 use super::floor::TokenFloor;
 use super::json::Json;
@@ -83,6 +84,9 @@ pub struct ModelTokenizer {
     /// What the post-processor puts around a single sequence, when it only adds fixed tokens
     /// (then the segment cache serves `add_special_tokens` too).
     specials: Option<(Vec<u32>, Vec<u32>)>,
+    /// Our own encoder (`bpe.rs`), for the byte-level BPE configurations it reproduces exactly;
+    /// `None`: the `tokenizers` crate encodes everything.
+    fast: Option<FastBpe>,
 }
 
 impl std::fmt::Debug for ModelTokenizer {
@@ -91,6 +95,7 @@ impl std::fmt::Debug for ModelTokenizer {
             .field("vocab_size", &self.vocab_size)
             .field("has_chat_template", &self.template.is_some())
             .field("has_tool_use_template", &self.tool_use_template.is_some())
+            .field("own_encoder", &self.fast.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -216,8 +221,11 @@ impl ModelTokenizer {
         let template = compile(sources.0)?;
         let tool_use_template = compile(sources.1)?;
         let segments = SegmentCache::new(&tokenizer, DEFAULT_SEGMENT_CACHE_TOKENS);
-        let floor = TokenFloor::of(&tokenizer);
+        let json = serde_json::to_value(&tokenizer).unwrap_or(JsonValue::Null);
+        let floor = TokenFloor::of(&tokenizer, &json);
         let specials = fixed_specials(&tokenizer);
+        let fast = FastBpe::new(&tokenizer, &json);
+        drop(json);
         Ok(ModelTokenizer {
             tokenizer,
             template,
@@ -227,6 +235,7 @@ impl ModelTokenizer {
             segments,
             floor,
             specials,
+            fast,
         })
     }
 
@@ -373,13 +382,12 @@ impl ModelTokenizer {
         let (prefix, suffix): (&[u32], &[u32]) = match (&self.specials, add_special_tokens) {
             (_, false) => (&[], &[]),
             (Some((p, s)), true) => (p, s),
-            (None, true) => return self.encode_uncached(text, true),
+            (None, true) => return self.encode_uncached(text, true, usize::MAX),
         };
         let inner = limit.saturating_sub(prefix.len() + suffix.len());
-        match self
-            .segments
-            .encode(text, inner, |segment| self.encode_uncached(segment, false))?
-        {
+        match self.segments.encode(text, inner, |segment, budget, out| {
+            self.encode_into(segment, false, budget, out)
+        })? {
             Encoded::OverLimit(n) => Err(too_long(n + prefix.len() + suffix.len())),
             Encoded::Ids(ids) if prefix.is_empty() && suffix.is_empty() => Ok(ids),
             Encoded::Ids(ids) => {
@@ -397,7 +405,7 @@ impl ModelTokenizer {
     /// were not exact would show there.
     pub fn encode_at_every_cut(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
         self.segments
-            .encode_every_cut(text, |piece| self.encode_uncached(piece, false))
+            .encode_every_cut(text, |piece| self.encode_uncached(piece, false, usize::MAX))
     }
 
     /// Encodes `text` in one call of the tokenizer, no cut, no cache: the reference the other
@@ -407,10 +415,18 @@ impl ModelTokenizer {
         text: &str,
         add_special_tokens: bool,
     ) -> Result<Vec<u32>, TokenizeError> {
-        self.encode_uncached(text, add_special_tokens)
+        self.encode_uncached(text, add_special_tokens, usize::MAX)
     }
 
-    fn encode_uncached(
+    /// Whether texts are encoded by kv-epp's own byte-level BPE encoder (`bpe.rs`) rather than
+    /// the `tokenizers` crate (which then encodes only texts the former leaves to it).
+    pub fn uses_own_encoder(&self) -> bool {
+        self.fast.is_some()
+    }
+
+    /// Encodes `text` in one call of the `tokenizers` crate, whatever the tokenizer: what tests
+    /// compare kv-epp's own encoder with.
+    pub fn encode_with_tokenizers_crate(
         &self,
         text: &str,
         add_special_tokens: bool,
@@ -420,6 +436,43 @@ impl ModelTokenizer {
             .encode_fast(text, add_special_tokens)
             .map_err(|e| TokenizeError::Encode(e.to_string()))?;
         Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Ids of `text`; our own encoder stops once more than `limit` ids are known (the result
+    /// then holds more than `limit`, not all of them).
+    fn encode_uncached(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        limit: usize,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let mut ids = Vec::new();
+        self.encode_into(text, add_special_tokens, limit, &mut ids)?;
+        Ok(ids)
+    }
+
+    /// [`ModelTokenizer::encode_uncached`], appending to `out`.
+    fn encode_into(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        limit: usize,
+        out: &mut Vec<u32>,
+    ) -> Result<(), TokenizeError> {
+        if let (Some(fast), false) = (&self.fast, add_special_tokens) {
+            // About a token per 4 bytes of prose: one allocation for most texts.
+            out.reserve(text.len() / 4 + 1);
+            let start = out.len();
+            if fast.encode(text, out, limit.saturating_add(start)).is_ok() {
+                return Ok(());
+            }
+        }
+        let encoding = self
+            .tokenizer
+            .encode_fast(text, add_special_tokens)
+            .map_err(|e| TokenizeError::Encode(e.to_string()))?;
+        out.extend_from_slice(encoding.get_ids());
+        Ok(())
     }
 
     /// Renders a conversation with the chat template, as vLLM's `safe_apply_chat_template`
@@ -512,10 +565,12 @@ impl ModelTokenizer {
             vars.insert(Value::from(name.as_str()), value.clone().into_value());
         }
 
-        let rendered = template.render(Value::from(vars)).map_err(|e| match e {
+        let mut rendered = template.render(Value::from(vars)).map_err(|e| match e {
             RenderError::Raised(m) => TokenizeError::TemplateRejected(m),
             RenderError::Failed(m) => TokenizeError::TemplateFailed(m),
         })?;
+        // The renderer's buffer grew by doubling; the text lives through the whole encode.
+        rendered.shrink_to_fit();
         if args.continue_final_message {
             cut_at_continue_tag(&rendered, &last.content).ok_or(
                 TokenizeError::ContinueFinalMessage(

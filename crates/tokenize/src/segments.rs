@@ -44,9 +44,41 @@ pub(crate) const MIN_SEGMENT_BYTES: usize = 1024;
 
 #[derive(Default)]
 struct Generations {
-    current: HashMap<u128, Arc<[u32]>>,
-    previous: HashMap<u128, Arc<[u32]>>,
+    current: HashMap<u128, Ids>,
+    previous: HashMap<u128, Ids>,
     current_tokens: usize,
+}
+
+/// One segment's ids as kept while a prompt is encoded and in the cache: two bytes each when
+/// every id fits (any tokenizer below 64k tokens, and many segments of larger ones), else four.
+#[derive(Clone, Debug)]
+pub(crate) enum Ids {
+    Narrow(Arc<[u16]>),
+    Wide(Arc<[u32]>),
+}
+
+impl Ids {
+    fn new(ids: &[u32]) -> Ids {
+        if ids.iter().all(|&id| id <= u32::from(u16::MAX)) {
+            Ids::Narrow(ids.iter().map(|&id| id as u16).collect())
+        } else {
+            Ids::Wide(Arc::from(ids))
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Ids::Narrow(ids) => ids.len(),
+            Ids::Wide(ids) => ids.len(),
+        }
+    }
+
+    fn extend_into(&self, out: &mut Vec<u32>) {
+        match self {
+            Ids::Narrow(ids) => out.extend(ids.iter().map(|&id| u32::from(id))),
+            Ids::Wide(ids) => out.extend_from_slice(ids),
+        }
+    }
 }
 
 /// The outcome of [`SegmentCache::encode`].
@@ -230,27 +262,31 @@ impl SegmentCache {
     }
 
     /// Token ids of `text` without the post-processor: cached segments are reused, the others
-    /// encoded with `encode` (one call per missing segment) and, when the whole text is within
-    /// `limit`, remembered. Stops with [`Encoded::OverLimit`] once more than `limit` ids are
-    /// known.
+    /// encoded with `encode` (one call per missing segment, appending to the vector it is given
+    /// and told how many ids the segment may have within the limit: it may stop once past that)
+    /// and, when the whole text is within `limit`, remembered. Stops with
+    /// [`Encoded::OverLimit`] once more than `limit` ids are known.
     pub(crate) fn encode<E>(
         &self,
         text: &str,
         limit: usize,
-        encode: impl Fn(&str) -> Result<Vec<u32>, E>,
+        encode: impl Fn(&str, usize, &mut Vec<u32>) -> Result<(), E>,
     ) -> Result<Encoded, E> {
         let Some(bounds) = self.boundaries(text) else {
-            let ids = encode(text)?;
+            let mut ids = Vec::new();
+            encode(text, limit, &mut ids)?;
             return Ok(if ids.len() > limit {
                 Encoded::OverLimit(ids.len())
             } else {
                 Encoded::Ids(ids)
             });
         };
-        // Each segment's ids are kept as they come (cached ones are shared, not copied) and
-        // copied once into an output of the exact size: two copies of the ids at most, never
-        // the three a doubling vector holds while it grows.
-        let mut chunks: Vec<(u128, Arc<[u32]>, bool)> = Vec::with_capacity(bounds.len() - 1);
+        // Each segment's ids are kept compactly as they come (cached ones are shared, not
+        // copied) and copied once into an output of the exact size: the ids of one segment
+        // (the encoder's buffer) and at most six bytes per id besides, never the three copies a
+        // doubling vector holds while it grows.
+        let mut chunks: Vec<(u128, Ids, bool)> = Vec::with_capacity(bounds.len() - 1);
+        let mut buffer = Vec::new();
         let mut total = 0usize;
         for w in bounds.windows(2) {
             let segment = &text[w[0]..w[1]];
@@ -262,7 +298,11 @@ impl SegmentCache {
             };
             let (ids, fresh) = match cached {
                 Some(ids) => (ids, false),
-                None => (Arc::<[u32]>::from(encode(segment)?), true),
+                None => {
+                    buffer.clear();
+                    encode(segment, limit.saturating_sub(total), &mut buffer)?;
+                    (Ids::new(&buffer), true)
+                }
             };
             total += ids.len();
             chunks.push((key, ids, fresh));
@@ -270,9 +310,10 @@ impl SegmentCache {
                 return Ok(Encoded::OverLimit(total));
             }
         }
+        drop(buffer);
         let mut out = Vec::with_capacity(total);
         for (_, ids, _) in &chunks {
-            out.extend_from_slice(ids);
+            ids.extend_into(&mut out);
         }
         if self.capacity_tokens > 0 && chunks.iter().any(|c| c.2) {
             let mut store = self.store.lock();
@@ -309,7 +350,7 @@ impl SegmentCache {
 }
 
 impl Generations {
-    fn get(&mut self, key: u128) -> Option<Arc<[u32]>> {
+    fn get(&mut self, key: u128) -> Option<Ids> {
         if let Some(ids) = self.current.get(&key) {
             return Some(ids.clone());
         }
@@ -319,7 +360,7 @@ impl Generations {
         Some(ids)
     }
 
-    fn insert(&mut self, key: u128, ids: Arc<[u32]>, capacity_tokens: usize) {
+    fn insert(&mut self, key: u128, ids: Ids, capacity_tokens: usize) {
         if ids.len() > capacity_tokens / 2 {
             return;
         }
@@ -369,7 +410,12 @@ mod tests {
         assert!(!bounds.contains(&lstrip_at));
         for text in [&turn1, &turn2, &turn1, &turn2] {
             assert_eq!(
-                cache.encode(text, usize::MAX, |s| direct(&tok, s)).unwrap(),
+                cache
+                    .encode(text, usize::MAX, |s, _, out| {
+                        out.extend(direct(&tok, s)?);
+                        Ok::<_, String>(())
+                    })
+                    .unwrap(),
                 Encoded::Ids(direct(&tok, text).unwrap())
             );
         }
@@ -383,7 +429,7 @@ mod tests {
     fn budget_is_bounded() {
         let mut g = Generations::default();
         for k in 0..100u128 {
-            g.insert(k, Arc::from(vec![0u32; 10]), 200);
+            g.insert(k, Ids::new(&[0u32; 10]), 200);
         }
         let held: usize = g
             .current
@@ -394,7 +440,7 @@ mod tests {
         assert!(held <= 200, "{held}");
         assert!(g.get(99).is_some());
         assert!(g.get(0).is_none());
-        g.insert(1000, Arc::from(vec![0u32; 101]), 200);
+        g.insert(1000, Ids::new(&[0u32; 101]), 200);
         assert!(
             g.get(1000).is_none(),
             "an entry over half the budget is not kept"

@@ -109,12 +109,19 @@ impl Fencing {
     }
 
     /// Claims `w` (pending) one above every epoch seen for it; an existing claim is kept.
+    #[cfg(test)]
     pub(crate) fn claim(&self, w: WorkerId) -> u64 {
+        self.claim_above(w, 0)
+    }
+
+    /// As [`Fencing::claim`], and above `floor` (a drain Lease's transitions: a new holder's
+    /// claims outrank the previous holder's even when neither saw the other's).
+    pub(crate) fn claim_above(&self, w: WorkerId, floor: u64) -> u64 {
         let mut st = self.inner.lock();
         if let Some(c) = st.claims.get(&w) {
             return c.epoch;
         }
-        let epoch = st.seen.get(&w).copied().unwrap_or(0) + 1;
+        let epoch = (st.seen.get(&w).copied().unwrap_or(0) + 1).max(floor + 1);
         st.seen.insert(w, epoch);
         st.claims.insert(
             w,

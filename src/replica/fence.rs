@@ -78,6 +78,8 @@ struct Inner {
     diverged: std::collections::HashSet<WorkerId>,
     /// The cut each source was last flagged diverged for.
     flagged_cuts: HashMap<WorkerId, u64>,
+    /// The (epoch, owner) under which each source was last cleared in a relay stream.
+    cleared: HashMap<WorkerId, (u64, u64)>,
 }
 
 /// Claims, leases and fences of one replica.
@@ -290,9 +292,18 @@ impl Fencing {
         }
     }
 
+    /// Notes that `w` was cleared by a batch of `origin` under `epoch` (a clear after a
+    /// divergence): the superseded owner's batches from before the cut, which every replica
+    /// that had them applied before that clear, are refused from now on, so a replica that
+    /// receives them late does not apply them after it.
+    pub(crate) fn note_cleared(&self, w: WorkerId, epoch: u64, origin: u64) {
+        self.inner.lock().cleared.insert(w, (epoch, origin));
+    }
+
     /// Whether a relayed (or own) batch of `w` from `origin` at `seq`, drained under `ticket`,
     /// may be applied. A batch of the highest epoch raises the fence; one of a superseded epoch
-    /// passes only if it comes before the cut its successor declared.
+    /// passes only if it comes before the cut its successor declared, and that successor has not
+    /// cleared the source since.
     pub(crate) fn accept_batch(&self, w: WorkerId, origin: u64, seq: u64, ticket: Ticket) -> bool {
         if ticket.epoch == 0 {
             return true;
@@ -303,6 +314,7 @@ impl Fencing {
         match st.fences.get(&w).copied() {
             Some(f) if (ticket.epoch, origin) < (f.epoch, f.owner) => {
                 matches!(f.prev, Some((o, cut)) if o == origin && seq < cut)
+                    && st.cleared.get(&w) != Some(&(f.epoch, f.owner))
             }
             _ => {
                 raise(
@@ -376,6 +388,10 @@ mod tests {
             assert!(!x.accept_batch(w(), old, 2, ot));
         }
         assert!(r.accept_batch(w(), old, 1, ot), "before the cut");
+        // Once the new owner cleared the source, a lagging replica no longer applies the old
+        // owner's earlier batches (the others applied them before the clear erased them).
+        r.note_cleared(w(), nt.epoch, new);
+        assert!(!r.accept_batch(w(), old, 1, ot), "after the clear");
         // The old owner learns the higher claim and stops admitting drains.
         o.observe_claim(w(), new, 2, true, Some((old, 2)));
         assert!(o.admit(&w(), Instant::now()).is_none());

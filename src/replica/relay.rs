@@ -228,6 +228,8 @@ impl RelayHub {
         }
         if events.iter().any(|e| matches!(e, EngineEvent::Cleared)) {
             self.fencing.set_diverged(*worker, false);
+            self.fencing
+                .note_cleared(*worker, ticket.epoch, self.instance);
         }
         for events in split(events, self.max_batch_bytes) {
             let batch = pb::RelayBatch {
@@ -382,6 +384,7 @@ impl RelayHub {
                     .any(|e| matches!(e.kind, Some(pb::relay_event::Kind::Cleared(_))))
                 {
                     self.fencing.set_diverged(worker, false);
+                    self.fencing.note_cleared(worker, b.epoch, b.origin);
                 }
                 for ev in &b.events {
                     match from_pb(ev) {

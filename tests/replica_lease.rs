@@ -11,7 +11,8 @@
 //!    (SIGCONT), the old holder never drains again and reports the lapse;
 //! 4. the holder killed (-9): another takes over within the README's bound;
 //! 5. the API server unreachable: nobody drains once the holder's lease could have expired,
-//!    nobody takes over, and the lease counters move; back, draining resumes.
+//!    nobody takes over, and the lease counters move; back, draining resumes;
+//! 6. the holder shut down (SIGTERM): it releases the Lease, and another takes over at once.
 //!
 //! Throughout: never two processes draining one engine at once, and (outside the outage) no
 //! engine without a poller beyond the bound; afterwards every replica holds the same index.
@@ -251,6 +252,10 @@ async fn a_lease_gives_every_drain_one_owner_through_partitions_pauses_kills_and
     let killed_at = vec![Instant::now()];
     let survivor = wait_new_poller(&engines[1], &names, &rs, killed_pid, 20).await;
     wait_new_poller(&engines[0], &names, &rs, killed_pid, 20).await;
+    // Back as a new instance: three replicas again.
+    rs[k].restart();
+    track(&rs[k], &mut names);
+    rs[k].wait_ready(30).await;
     let holder = &rs[survivor];
 
     // 5. The API server unreachable: the holder stops once its lease could have expired and
@@ -306,6 +311,41 @@ async fn a_lease_gives_every_drain_one_owner_through_partitions_pauses_kills_and
         wait_poller_among(e, &names, Some(&rs), 20).await;
     }
 
+    // 6. The holder shut down (SIGTERM, as in a rolling update): it stops draining, then empties
+    // the Lease's holder, and another replica takes over at its next read.
+    let (t, _) = wait_poller_among(&engines[0], &names, Some(&rs), 20).await;
+    let term_pid = rs[t].pid().unwrap();
+    let versions = fake.history(Res::Leases, "default", "trt-drains").len();
+    rs[t].signal("TERM");
+    let exited = common::eventually(20, || {
+        rs[t]
+            .child
+            .as_mut()
+            .is_some_and(|c| c.try_wait().is_ok_and(|s| s.is_some()))
+    })
+    .await;
+    assert!(exited, "the holder exits on SIGTERM:\n{}", rs[t].log_tail());
+    let exited_at = Instant::now();
+    rs[t].kill();
+    let holders: Vec<Option<String>> = fake.history(Res::Leases, "default", "trt-drains")
+        [versions..]
+        .iter()
+        .map(|v| {
+            v.as_ref()
+                .and_then(|o| o["spec"]["holderIdentity"].as_str().map(str::to_owned))
+        })
+        .collect();
+    assert!(
+        holders.contains(&None),
+        "the holder released the Lease on its way out: {holders:?}"
+    );
+    wait_new_poller(&engines[0], &names, &rs, term_pid, 20).await;
+    wait_new_poller(&engines[1], &names, &rs, term_pid, 20).await;
+    eprintln!(
+        "after SIGTERM: the next holder drained {:?} after the old one exited",
+        exited_at.elapsed()
+    );
+
     pushing.store(false, Ordering::SeqCst);
     let mut next = pusher.await.unwrap();
     assert!(common::eventually(10, || engines.iter().all(DrainEngine::is_drained)).await);
@@ -333,7 +373,7 @@ async fn a_lease_gives_every_drain_one_owner_through_partitions_pauses_kills_and
             &format!("engine {i} after the outage"),
             &drains_between(e, back, Instant::now()),
             &names,
-            &[],
+            &[exited_at],
             PROBE,
             bound,
         );

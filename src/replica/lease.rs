@@ -31,7 +31,9 @@
 //!   (`kv_epp_replica_lease_events_total{event="api_error"}` per failed call, `"lapsed"` when a
 //!   holding ran out unconfirmed) and logged once per outage.
 //!
-//! No Lease API call is made while this replica runs no single-reader source.
+//! No Lease API call is made while this replica runs no single-reader source. On shutdown the
+//! holder stops its drains and then releases the Lease ([`run_until_stopped`]), so a rolling
+//! update hands the drains over at the others' next read.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -379,6 +381,75 @@ pub(crate) async fn run(state: Arc<ReplicaState>, lease: Arc<DrainLease>) {
             }
         }
     }
+}
+
+/// [`run`] until `stop` fires; then, if this replica holds the Lease, it stops draining (its
+/// claims given up, its pollers finished) and releases the Lease (holder emptied, naming the
+/// resourceVersion it holds), so another replica takes over at its next read instead of after
+/// the lease duration: a rolling update does not pause the drains for a whole takeover.
+pub(crate) async fn run_until_stopped(
+    state: Arc<ReplicaState>,
+    lease: Arc<DrainLease>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    tokio::select! {
+        _ = run(state.clone(), lease.clone()) => {}
+        _ = stop.wait_for(|s| *s) => {}
+    }
+    if let Err(e) = release(&state, &lease).await {
+        tracing::warn!(lease = lease.api.name(), error = %e, "the drain lease could not be released; another replica takes over once it expires");
+    }
+}
+
+/// Stops every drain of this replica, then empties the Lease's holder if it is still ours.
+async fn release(state: &ReplicaState, lease: &DrainLease) -> Result<(), LeaseError> {
+    let held = lease.held_until(Instant::now()).is_some();
+    lease.elector.lock().held_until = None;
+    lease.metrics.held.set(0);
+    // No drain is admitted from here on (the claims are gone; a poller's gate re-checks).
+    for (w, _) in state.hub.fencing.claims() {
+        state.hub.fencing.release(&w);
+    }
+    let polled: Vec<_> = state
+        .feeds
+        .poll_statuses()
+        .into_iter()
+        .map(|(w, _)| w)
+        .collect();
+    for w in &polled {
+        state.feeds.stop_polling(w);
+    }
+    if !held {
+        return Ok(());
+    }
+    // A drain in flight ends within its HTTP deadline; release only once none runs.
+    let deadline = Instant::now() + Duration::from_secs(6);
+    while polled.iter().any(|w| state.feeds.is_polling(w)) {
+        if Instant::now() >= deadline {
+            return Err(LeaseError::Unreachable(
+                "a drain did not finish in time".into(),
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (mut spec, rv) = {
+        let e = lease.elector.lock();
+        let Some(r) = e.record.as_ref().filter(|_| e.holds()) else {
+            return Ok(());
+        };
+        (
+            e.spec(r.transitions, r.acquire_time.clone()),
+            r.resource_version.clone(),
+        )
+    };
+    spec.holder = None;
+    lease.api.update(&spec, &rv).await?;
+    lease.elector.lock().forget();
+    tracing::info!(
+        lease = lease.api.name(),
+        "released the drain lease: another replica takes the drains over at its next read"
+    );
+    Ok(())
 }
 
 /// Renews our holding. A conflict or a missing Lease means it was taken: lost at once.

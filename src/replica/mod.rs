@@ -443,8 +443,9 @@ pub fn start(
         )),
     ];
     if let Some(lease) = state.lease().cloned() {
-        tasks.push(tokio::spawn(until_stopped(
-            lease::run(state.clone(), lease),
+        tasks.push(tokio::spawn(lease::run_until_stopped(
+            state.clone(),
+            lease,
             stop.clone(),
         )));
     }

@@ -435,6 +435,22 @@ impl FakeKube {
             .cloned()
     }
 
+    /// Every version the object went through, oldest first (`None`: deleted).
+    pub fn history(&self, res: Res, ns: &str, name: &str) -> Vec<Option<Value>> {
+        let s = self.state.lock().unwrap();
+        s.history
+            .iter()
+            .filter(|c| c.res == res && c.ns == ns)
+            .filter(|c| {
+                c.new
+                    .as_ref()
+                    .or(c.old.as_ref())
+                    .is_some_and(|o| o["metadata"]["name"] == name)
+            })
+            .map(|c| c.new.clone())
+            .collect()
+    }
+
     /// Lease writes that succeeded, and those refused with 409.
     pub fn lease_writes(&self) -> (usize, usize) {
         let s = self.state.lock().unwrap();

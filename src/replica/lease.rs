@@ -443,7 +443,26 @@ async fn release(state: &ReplicaState, lease: &DrainLease) -> Result<(), LeaseEr
         )
     };
     spec.holder = None;
-    lease.api.update(&spec, &rv).await?;
+    let mut rv = rv;
+    let mut attempts = 0;
+    // A renewal cut short by the stop may have been written without our seeing its new
+    // resourceVersion: on a conflict, read again and release only if it still names us.
+    loop {
+        attempts += 1;
+        match lease.api.update(&spec, &rv).await {
+            Ok(_) => break,
+            Err(LeaseError::Conflict) if attempts >= 3 => return Err(LeaseError::Conflict),
+            Err(LeaseError::Conflict) => {
+                let now = lease.api.get().await?;
+                let identity = lease.elector.lock().identity.clone();
+                if now.holder.as_deref() != Some(identity.as_str()) {
+                    return Ok(());
+                }
+                rv = now.resource_version;
+            }
+            Err(e) => return Err(e),
+        }
+    }
     lease.elector.lock().forget();
     tracing::info!(
         lease = lease.api.name(),

@@ -490,6 +490,8 @@ async fn replica(State(s): State<AdminState>) -> Response {
         "peers": peers,
         "refused_by": refused,
         "single_reader_sources": sources,
+        "coordination": if r.lease().is_some() { "lease" } else { "probes" },
+        "lease": r.lease().map(|l| l.status()),
         "relay_positions": relay,
         "counters": {
             "snapshots_served": c.snapshots_served.get(),

@@ -20,7 +20,7 @@ pub use crate::flow::{FlowControlConfig, TenantConfig, TenantPolicy};
 use crate::membership::{DesiredWorker, MembershipSettings};
 use crate::metrics::Metrics;
 use crate::models::{ModelSettings, ServedModels};
-pub use crate::replica::PeersConfig;
+pub use crate::replica::{Coordination, PeersConfig};
 use crate::workers::Workers;
 use kv_epp_core::fingerprint::FingerprintKey;
 use kv_epp_core::index::IndexLimits;
@@ -568,6 +568,35 @@ impl Config {
         !self.pool.name.is_empty() && self.workers.is_empty()
     }
 
+    /// Whether a Kubernetes Lease decides drain ownership (`peers.coordination`, `auto`
+    /// resolved: `lease` when the replicas run on Kubernetes).
+    pub fn drain_lease(&self) -> bool {
+        use crate::replica::Coordination;
+        self.peers.enabled()
+            && match self.peers.coordination {
+                Coordination::Lease => true,
+                Coordination::Probes => false,
+                Coordination::Auto => self.peers.service.is_some() || self.discovers_workers(),
+            }
+    }
+
+    /// The drain Lease's settings: its name (`peers.lease_name`, else `<peers.service>-drains`,
+    /// else `kv-epp-drains`) in the pod's namespace, and its timing.
+    pub fn drain_lease_settings(&self) -> crate::replica::lease::LeaseSettings {
+        let p = &self.peers;
+        let name = match (&p.lease_name, &p.service) {
+            (Some(n), _) => n.clone(),
+            (None, Some(svc)) => format!("{svc}-drains"),
+            (None, None) => "kv-epp-drains".to_owned(),
+        };
+        crate::replica::lease::LeaseSettings {
+            name,
+            namespace: self.peers_namespace().to_owned(),
+            duration_seconds: p.lease_duration_seconds,
+            renew: Duration::from_millis(p.lease_renew_ms),
+        }
+    }
+
     /// The namespace of kv-epp's own peer Service: `pool.namespace`, else `default`.
     pub(crate) fn peers_namespace(&self) -> &str {
         if self.pool.namespace.is_empty() {
@@ -796,6 +825,35 @@ impl Config {
                     return bad(format!("peers.server_name: {e}"));
                 }
             }
+            if self.drain_lease() {
+                if !(1..=300).contains(&p.lease_duration_seconds) {
+                    return bad("peers.lease_duration_seconds must be within 1..=300".into());
+                }
+                if p.lease_renew_ms < 100
+                    || p.lease_renew_ms.saturating_mul(3)
+                        > u64::from(p.lease_duration_seconds) * 1000
+                {
+                    return bad(format!(
+                        "peers.lease_renew_ms ({}) must be at least 100 and at most a third of peers.lease_duration_seconds ({} s)",
+                        p.lease_renew_ms, p.lease_duration_seconds
+                    ));
+                }
+                let name = self.drain_lease_settings().name;
+                let ok = !name.is_empty()
+                    && name.len() <= 253
+                    && name.split('.').all(|l| {
+                        !l.is_empty()
+                            && l.bytes()
+                                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                            && !l.starts_with('-')
+                            && !l.ends_with('-')
+                    });
+                if !ok {
+                    return bad(format!(
+                        "peers.lease_name `{name}` is not a Kubernetes object name (lowercase letters, digits, '-' and '.')"
+                    ));
+                }
+            }
             for (i, a) in p.static_peers.iter().chain(p.dns.iter()).enumerate() {
                 if a.rsplit_once(':')
                     .and_then(|(_, port)| port.parse::<u16>().ok())
@@ -1014,6 +1072,45 @@ mod tests {
             .unwrap();
         // No peers, no replication: nothing to authenticate.
         Config::from_yaml("{}").unwrap().validate().unwrap();
+    }
+
+    #[test]
+    fn a_lease_decides_drains_on_kubernetes_and_probes_elsewhere() {
+        let on_k8s = Config::from_yaml(
+            "pool: {namespace: ai}\npeers: {service: kv-epp-peers, token_file: /t}",
+        )
+        .unwrap();
+        on_k8s.validate().unwrap();
+        assert!(on_k8s.drain_lease(), "auto with a peer Service");
+        let s = on_k8s.drain_lease_settings();
+        assert_eq!(
+            (s.name.as_str(), s.namespace.as_str(), s.duration_seconds),
+            ("kv-epp-peers-drains", "ai", 10)
+        );
+        assert_eq!(s.renew, Duration::from_secs(2));
+        let static_peers = "peers: {static_peers: ['10.0.0.5:9004'], token_file: /t";
+        let c = Config::from_yaml(&format!("{static_peers}}}")).unwrap();
+        assert!(!c.drain_lease(), "auto without Kubernetes: probes");
+        let c = Config::from_yaml(&format!("{static_peers}, coordination: lease}}")).unwrap();
+        assert!(c.drain_lease());
+        assert_eq!(c.drain_lease_settings().name, "kv-epp-drains");
+        let c = Config::from_yaml(
+            "pool: {namespace: ai}\npeers: {service: s, token_file: /t, coordination: probes}",
+        )
+        .unwrap();
+        assert!(!c.drain_lease());
+        for (extra, field) in [
+            ("lease_duration_seconds: 0", "peers.lease_duration_seconds"),
+            ("lease_renew_ms: 4000", "peers.lease_renew_ms"),
+            ("lease_renew_ms: 50", "peers.lease_renew_ms"),
+            ("lease_name: Drains_1", "peers.lease_name"),
+        ] {
+            let c = Config::from_yaml(&format!("{static_peers}, coordination: lease, {extra}}}"))
+                .unwrap();
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains(field), "{extra}: {e}");
+        }
+        assert!(Config::from_yaml("peers: {coordination: raft}").is_err());
     }
 
     #[test]

@@ -48,6 +48,10 @@ pub enum HttpError {
     /// The request itself could not be built (e.g. a path that is not a valid URI).
     #[error("invalid request: {0}")]
     InvalidRequest(#[source] hyper::http::Error),
+    /// The caller's gate refused, once connected, to send the request (see [`post_json_gated`]):
+    /// nothing was written.
+    #[error("not sent: the caller withdrew the request")]
+    NotSent,
 }
 
 /// `GET path` on `addr`; see [`send`] for costs and errors.
@@ -76,6 +80,24 @@ pub async fn post_json(
     send(addr, req, limits).await
 }
 
+/// [`post_json`], written only if `gate()` still holds once the connection is up: for a request
+/// with effects (a destructive drain) that may only be made while a condition holds, checked
+/// in the same poll that hands the request to the connection, so no connect or handshake delay
+/// (and no scheduling) separates the check from the write. `HttpError::NotSent` when it refuses.
+pub async fn post_json_gated(
+    addr: SocketAddr,
+    path: &str,
+    body: impl Into<Bytes>,
+    limits: Limits,
+    gate: impl FnOnce() -> bool,
+) -> Result<Response<Bytes>, HttpError> {
+    let req = Request::post(path)
+        .header(CONTENT_TYPE, "application/json")
+        .body(body.into())
+        .map_err(HttpError::InvalidRequest)?;
+    send_inner(addr, req, limits, |_| {}, gate).await
+}
+
 /// Sends `req` (origin-form URI, e.g. `/metrics`) to `addr` on a fresh connection and reads the
 /// whole response. A `host` header naming `addr` is added when the request has none, and
 /// `content-length: 0` to an empty POST, PUT or PATCH.
@@ -94,9 +116,19 @@ pub async fn send(
 /// streamed token); the pieces handed over never add up to more than `limits.max_body`.
 pub async fn send_observed(
     addr: SocketAddr,
+    req: Request<Bytes>,
+    limits: Limits,
+    on_data: impl FnMut(&[u8]),
+) -> Result<Response<Bytes>, HttpError> {
+    send_inner(addr, req, limits, on_data, || true).await
+}
+
+async fn send_inner(
+    addr: SocketAddr,
     mut req: Request<Bytes>,
     limits: Limits,
     on_data: impl FnMut(&[u8]),
+    gate: impl FnOnce() -> bool,
 ) -> Result<Response<Bytes>, HttpError> {
     if !req.headers().contains_key(HOST) {
         // A socket address always renders as a valid header value; the fallback is unreachable.
@@ -113,7 +145,7 @@ pub async fn send_observed(
     }
     tokio::time::timeout(
         limits.deadline,
-        exchange(addr, req, limits.max_body, on_data),
+        exchange(addr, req, limits.max_body, on_data, gate),
     )
     .await
     .map_err(|_| HttpError::Timeout)?
@@ -124,12 +156,18 @@ async fn exchange(
     req: Request<Bytes>,
     max_body: usize,
     mut on_data: impl FnMut(&[u8]),
+    gate: impl FnOnce() -> bool,
 ) -> Result<Response<Bytes>, HttpError> {
     let stream = TcpStream::connect(addr).await.map_err(HttpError::Connect)?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
         .map_err(|e| HttpError::Protocol(e.into()))?;
     let read = async move {
+        // Checked in the poll that queues the request; `conn`, polled right after in the same
+        // pass, writes it.
+        if !gate() {
+            return Err(HttpError::NotSent);
+        }
         let resp = sender
             .send_request(req.map(Full::new))
             .await
@@ -235,6 +273,24 @@ mod tests {
         })
         .await
         .0
+    }
+
+    #[tokio::test]
+    async fn a_gated_request_is_written_only_while_its_gate_holds() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut got = Vec::new();
+            let _ = tokio::time::timeout(SLOW, s.read_to_end(&mut got)).await;
+            got
+        });
+        let r = post_json_gated(addr, "/kv_cache_events", "{}", limits(SLOW, 1024), || false).await;
+        assert!(matches!(r, Err(HttpError::NotSent)), "{r:?}");
+        assert!(
+            server.await.unwrap().is_empty(),
+            "nothing reached the server"
+        );
     }
 
     #[tokio::test]

@@ -78,6 +78,8 @@ pub struct Metrics {
     pub unisolated_salted_requests: Family<Labels, Counter>,
     /// Flow control: queue length, wait time, admitted and refused by tenant (bounded labels).
     pub flow: std::sync::Arc<crate::flow::FlowMetrics>,
+    /// The drain Lease's gauge and events (`peers.coordination: lease`).
+    pub replica_lease: std::sync::Arc<crate::replica::lease::LeaseMetrics>,
 }
 
 impl Default for Metrics {
@@ -235,8 +237,11 @@ impl Metrics {
             unisolated_salted_requests.clone(),
         );
         let flow = std::sync::Arc::new(crate::flow::FlowMetrics::register(&mut registry));
+        let replica_lease =
+            std::sync::Arc::new(crate::replica::lease::LeaseMetrics::register(&mut registry));
         Metrics {
             flow,
+            replica_lease,
             registry,
             unrenderable,
             unrenderable_logged: Default::default(),

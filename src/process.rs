@@ -3,8 +3,11 @@
 
 /// Installs the log subscriber (`KV_EPP_LOG` filter, `text` or `json`).
 pub fn init_logs(format: &str) -> Result<(), String> {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("KV_EPP_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // kube-rs logs every failed API request at ERROR (every 2 s while a drain Lease cannot be
+    // renewed); kv-epp logs its own failures once per outage, so the default leaves those out.
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KV_EPP_LOG").unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("info,kube_client::client::builder=off")
+    });
     let builder = tracing_subscriber::fmt().with_env_filter(filter);
     match format {
         "json" => builder.json().init(),

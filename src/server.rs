@@ -249,6 +249,9 @@ impl Server {
                 if let Some(rx) = slices {
                     state.members.set_discovered(rx);
                 }
+                if config.drain_lease() {
+                    drain_lease(config, &state, &metrics).await?;
+                }
                 let l = bind("peer", SocketAddr::new(ip, config.peers.port)).await?;
                 Some((state, l))
             }
@@ -542,6 +545,42 @@ async fn guards(
 fn local(l: &TcpListener) -> SocketAddr {
     l.local_addr()
         .expect("a bound listener has a local address")
+}
+
+/// Makes a Kubernetes Lease decide drain ownership (`peers.coordination`). Without a usable
+/// Kubernetes configuration, `lease` stops start-up and `auto` falls back to the probes, loudly.
+async fn drain_lease(
+    config: &Config,
+    state: &ReplicaState,
+    metrics: &Arc<Metrics>,
+) -> Result<(), ServeError> {
+    let settings = config.drain_lease_settings();
+    let client = match crate::discovery::client_for(config.pool.kubeconfig.as_deref()).await {
+        Ok(c) => c,
+        Err(e) if config.peers.coordination == crate::replica::Coordination::Lease => {
+            return Err(ServeError::Peers(format!(
+                "peers.coordination: lease needs the Kubernetes API: {e}"
+            )));
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "no Kubernetes API for the drain lease: drain ownership falls back to the peer probes (a symmetric partition can split a drain)");
+            return Ok(());
+        }
+    };
+    let api = crate::discovery::LeaseApi::new(
+        client,
+        &settings.namespace,
+        &settings.name,
+        settings.renew,
+    );
+    tracing::info!(lease = %settings.name, namespace = %settings.namespace, duration_s = settings.duration_seconds, "a Kubernetes Lease decides which replica drains TensorRT-LLM workers");
+    state.use_lease(Arc::new(crate::replica::lease::DrainLease::new(
+        api,
+        settings,
+        state.instance,
+        metrics.replica_lease.clone(),
+    )));
+    Ok(())
 }
 
 /// Opens `peers.token_file`, waiting up to 10 s for a file that is missing, empty or being

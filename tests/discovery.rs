@@ -799,3 +799,93 @@ async fn a_replica_finds_its_peer_through_endpoint_slices_and_bootstraps() {
     b.stop().await;
     a.stop().await;
 }
+
+/// The drain Lease's API edge against the fake API server's Lease rules: 404 before it exists,
+/// 201 on create and 409 on a second create, an update naming a stale resourceVersion refused
+/// with 409, the current one accepted; an answer that is not a Lease, or one larger than the cap,
+/// is an error (never a panic, never read whole); an unreachable server is `Unreachable`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lease_api_follows_optimistic_concurrency_and_bounds_what_it_reads() {
+    use kv_epp::discovery::{LeaseApi, LeaseError, LeaseSpec, client_for};
+    let fake = FakeKube::start().await;
+    let client = client_for(Some(&fake.kubeconfig(&tmp_dir("lease-api"))))
+        .await
+        .unwrap();
+    let api = LeaseApi::new(client.clone(), NS, "drains", Duration::from_secs(5));
+    let spec = |holder: &str, transitions: u64| LeaseSpec {
+        holder: Some(holder.to_owned()),
+        duration_seconds: 10,
+        transitions,
+        acquire_time: None,
+        renew_time: kv_epp::discovery::micro_time_now(),
+    };
+    assert_eq!(api.get().await, Err(LeaseError::NotFound));
+    assert_eq!(
+        api.update(&spec("a", 0), "1").await,
+        Err(LeaseError::NotFound)
+    );
+    let created = api.create(&spec("a", 0)).await.unwrap();
+    assert_eq!(created.holder.as_deref(), Some("a"));
+    assert_eq!(api.create(&spec("b", 0)).await, Err(LeaseError::Conflict));
+    let read = api.get().await.unwrap();
+    assert_eq!(read, created);
+    // a renews; b, which read before that, cannot take over with what it read.
+    let renewed = api
+        .update(&spec("a", 0), &read.resource_version)
+        .await
+        .unwrap();
+    assert_ne!(renewed.resource_version, read.resource_version);
+    assert_eq!(
+        api.update(&spec("b", 1), &read.resource_version).await,
+        Err(LeaseError::Conflict)
+    );
+    let taken = api
+        .update(&spec("b", 1), &renewed.resource_version)
+        .await
+        .unwrap();
+    assert_eq!((taken.holder.as_deref(), taken.transitions), (Some("b"), 1));
+    let stored = fake.get(Res::Leases, NS, "drains").unwrap();
+    assert_eq!(stored["spec"]["holderIdentity"], "b");
+    assert_eq!(fake.lease_writes(), (3, 2));
+    fake.stop().await;
+    assert!(matches!(api.get().await, Err(LeaseError::Unreachable(_))));
+
+    // A hostile server: a Status where a Lease should be, then a body beyond the cap.
+    let big = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let app = {
+        let big = big.clone();
+        axum::Router::new().fallback(move || {
+            let big = big.load(std::sync::atomic::Ordering::SeqCst);
+            async move {
+                if big {
+                    format!(
+                        "{{\"kind\":\"Lease\",\"metadata\":{{\"resourceVersion\":\"1\",\"x\":\"{}\"}}}}",
+                        "x".repeat(1 << 20)
+                    )
+                } else {
+                    "{\"kind\":\"Status\",\"code\":200}".to_owned()
+                }
+            }
+        })
+    };
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(l, app).await });
+    let kubeconfig = tmp_dir("lease-hostile").join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: http://{addr}\nusers:\n- name: u\n  user: {{}}\ncontexts:\n- name: c\n  context: {{cluster: c, user: u}}\ncurrent-context: c\n"
+        ),
+    )
+    .unwrap();
+    let hostile = LeaseApi::new(
+        client_for(Some(&kubeconfig)).await.unwrap(),
+        NS,
+        "drains",
+        Duration::from_secs(5),
+    );
+    assert!(matches!(hostile.get().await, Err(LeaseError::Malformed(_))));
+    big.store(true, std::sync::atomic::Ordering::SeqCst);
+    assert!(matches!(hostile.get().await, Err(LeaseError::Malformed(_))));
+}

@@ -16,7 +16,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::replicas::{Cutter, DrainEngine, Replica, converge, ports, round};
+use common::replicas::{
+    Cutter, DrainEngine, Replica, check_drains, converge, ports, round, wait_poller,
+    wait_poller_among,
+};
 
 /// Probe interval of the test replicas (`Replica::spawn` sets it).
 const PROBE: Duration = Duration::from_millis(200);
@@ -32,118 +35,6 @@ fn body(engines: &[std::net::SocketAddr; 2]) -> String {
         "events: {{engine: trtllm, trtllm: {{poll_interval_ms: 50}}}}\nworkers: [{{endpoint: '{}', model: m}}, {{endpoint: '{}', model: m}}]\n",
         engines[0], engines[1]
     )
-}
-
-/// The replica whose process drained `engine` last within the last second, if any.
-fn recent_poller(engine: &DrainEngine, names: &HashMap<u32, String>) -> Option<String> {
-    let d = engine.drains.lock().unwrap();
-    let (t, pid) = d.last()?;
-    (t.elapsed() < Duration::from_secs(1))
-        .then(|| pid.and_then(|p| names.get(&p).cloned()))
-        .flatten()
-}
-
-async fn wait_poller(engine: &DrainEngine, names: &HashMap<u32, String>, secs: u64) -> String {
-    wait_poller_among(engine, names, None, secs).await.1
-}
-
-/// Waits until one of `rs` (any process if `None`) drains `engine`; its index and name.
-async fn wait_poller_among(
-    engine: &DrainEngine,
-    names: &HashMap<u32, String>,
-    rs: Option<&[Replica]>,
-    secs: u64,
-) -> (usize, String) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    loop {
-        if let Some(n) = recent_poller(engine, names) {
-            let Some(rs) = rs else { return (0, n) };
-            // Names are "<replica>#<pid>": only the running process of a replica counts.
-            if let Some(i) = rs
-                .iter()
-                .position(|r| r.pid().is_some_and(|p| n == format!("{}#{p}", r.name)))
-            {
-                return (i, n);
-            }
-        }
-        assert!(Instant::now() < deadline, "no replica drains the engine");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// Checks one engine's drain log: every drain attributed (but one per kill, made by the process
-/// as it died: its descriptors were gone before the engine looked), no two processes
-/// interleaving (two pollers), no gap longer than `max_gap`. Returns the longest gap.
-fn check_drains(
-    which: &str,
-    drains: &[(Instant, Option<u32>)],
-    names: &HashMap<u32, String>,
-    killed: &[Instant],
-    max_gap: Duration,
-) -> Duration {
-    let unknown: Vec<Instant> = drains
-        .iter()
-        .filter(|(_, p)| p.is_none())
-        .map(|(t, _)| *t)
-        .collect();
-    let at_a_kill = |t: &Instant| {
-        killed.iter().any(|k| {
-            t.saturating_duration_since(*k) < Duration::from_secs(1)
-                && *t + Duration::from_secs(1) > *k
-        })
-    };
-    assert!(
-        unknown.len() <= killed.len() && unknown.iter().all(at_a_kill),
-        "{which}: {} drains by an unknown process, not at a kill",
-        unknown.len()
-    );
-    let seq: Vec<(Instant, u32)> = drains
-        .iter()
-        .filter_map(|(t, p)| Some((*t, (*p)?)))
-        .collect();
-    // Who drained, as runs: "a#12 x40, b#13 x3, ...".
-    let mut runs: Vec<(u32, usize)> = Vec::new();
-    for (_, p) in &seq {
-        match runs.last_mut() {
-            Some((q, n)) if q == p => *n += 1,
-            _ => runs.push((*p, 1)),
-        }
-    }
-    let runs: Vec<String> = runs
-        .iter()
-        .map(|(p, n)| format!("{} x{n}", names[p]))
-        .collect();
-    eprintln!("{which}: drained by {}", runs.join(", "));
-    // a ... b ... a within less than the 3-interval handoff: a cannot have stopped and taken
-    // the engine back in that time (a new owner waits the handoff before its first drain), so
-    // both were polling.
-    let window = PROBE * 3 - Duration::from_millis(100);
-    for (i, (t0, a)) in seq.iter().enumerate() {
-        let mut other = None;
-        for (t, p) in &seq[i + 1..] {
-            if t.duration_since(*t0) > window {
-                break;
-            }
-            match other {
-                None if p != a => other = Some(*p),
-                Some(b) if p == a => panic!(
-                    "{which}: {} and {} drained it at the same time",
-                    names[a], names[&b]
-                ),
-                _ => {}
-            }
-        }
-    }
-    let gap = seq
-        .windows(2)
-        .map(|w| w[1].0.duration_since(w[0].0))
-        .max()
-        .unwrap_or_default();
-    assert!(
-        gap <= max_gap,
-        "{which}: no poller for {gap:?} (bound {max_gap:?})"
-    );
-    gap
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -289,7 +180,14 @@ async fn faults_never_split_a_drain_nor_strand_an_engine() {
                 .all(|(t, p)| *p != Some(wrong_pid) || *t > fixed_at),
             "engine {i}: the wrong-token replica drained it"
         );
-        let gap = check_drains(&format!("engine {i}"), &drains, &names, &killed_at, bound);
+        let gap = check_drains(
+            &format!("engine {i}"),
+            &drains,
+            &names,
+            &killed_at,
+            PROBE,
+            bound,
+        );
         eprintln!("engine {i}: longest time without a poller {gap:?} (bound {bound:?})");
     }
     let all: Vec<&Replica> = rs.iter().collect();

@@ -7,6 +7,8 @@
 //! - `watch.rs`: the watch loop that feeds [`crate::membership::Membership`] and the readiness
 //!   condition `discovery`.
 //! - `peers.rs`: [`watch_service_endpoints`], the ready and not-ready addresses of a Service.
+//! - `lease.rs`: [`LeaseApi`], one `coordination.k8s.io/v1` Lease read, created and updated under
+//!   optimistic concurrency, bodies bounded (for `replica::lease`).
 //! - `review.rs`: [`TokenReviewer`], whether a bearer token's user may read a path (TokenReview
 //!   and SubjectAccessReview), for metrics authentication.
 //!
@@ -16,6 +18,7 @@
 //! account.
 
 mod endpoints;
+mod lease;
 mod peers;
 mod pool;
 mod review;
@@ -23,6 +26,7 @@ mod store;
 mod watch;
 
 pub use endpoints::SkipReason;
+pub use lease::{LeaseApi, LeaseError, LeaseRecord, LeaseSpec, micro_time_now};
 pub use peers::{PortRef, ServiceEndpoints, watch_service_endpoints};
 pub use pool::{PoolApi, PoolSpec};
 pub use review::{Review, ReviewError, TokenReviewer};

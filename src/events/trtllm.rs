@@ -227,7 +227,17 @@ pub(crate) async fn poll(
             deadline: Duration::from_secs(5),
             max_body: MAX_DRAIN,
         };
-        let r = httpc::post_json(worker.endpoint, "/kv_cache_events", &b"{}"[..], limits).await;
+        // Admitted again once connected, right before the request is written: a process frozen
+        // while connecting (past its lease) must not drain when it resumes.
+        let gate = || sink.admit(&worker) == Some(ticket);
+        let r = httpc::post_json_gated(
+            worker.endpoint,
+            "/kv_cache_events",
+            &b"{}"[..],
+            limits,
+            gate,
+        )
+        .await;
         let events = match r {
             Ok(r) if r.status() == httpc::StatusCode::OK => {
                 match serde_json::from_slice::<Value>(r.body()) {
@@ -237,6 +247,10 @@ pub(crate) async fn poll(
                         continue;
                     }
                 }
+            }
+            Err(httpc::HttpError::NotSent) => {
+                status.fenced.fetch_add(1, Ordering::Relaxed);
+                continue;
             }
             _ => {
                 status.connected.store(false, Ordering::Relaxed);

@@ -78,6 +78,8 @@ struct Inner {
     diverged: std::collections::HashSet<WorkerId>,
     /// The cut each source was last flagged diverged for.
     flagged_cuts: HashMap<WorkerId, u64>,
+    /// The (epoch, owner) under which each source was last cleared in a relay stream.
+    cleared: HashMap<WorkerId, (u64, u64)>,
 }
 
 /// Claims, leases and fences of one replica.
@@ -109,12 +111,19 @@ impl Fencing {
     }
 
     /// Claims `w` (pending) one above every epoch seen for it; an existing claim is kept.
+    #[cfg(test)]
     pub(crate) fn claim(&self, w: WorkerId) -> u64 {
+        self.claim_above(w, 0)
+    }
+
+    /// As [`Fencing::claim`], and above `floor` (a drain Lease's transitions: a new holder's
+    /// claims outrank the previous holder's even when neither saw the other's).
+    pub(crate) fn claim_above(&self, w: WorkerId, floor: u64) -> u64 {
         let mut st = self.inner.lock();
         if let Some(c) = st.claims.get(&w) {
             return c.epoch;
         }
-        let epoch = st.seen.get(&w).copied().unwrap_or(0) + 1;
+        let epoch = (st.seen.get(&w).copied().unwrap_or(0) + 1).max(floor + 1);
         st.seen.insert(w, epoch);
         st.claims.insert(
             w,
@@ -283,9 +292,18 @@ impl Fencing {
         }
     }
 
+    /// Notes that `w` was cleared by a batch of `origin` under `epoch` (a clear after a
+    /// divergence): the superseded owner's batches from before the cut, which every replica
+    /// that had them applied before that clear, are refused from now on, so a replica that
+    /// receives them late does not apply them after it.
+    pub(crate) fn note_cleared(&self, w: WorkerId, epoch: u64, origin: u64) {
+        self.inner.lock().cleared.insert(w, (epoch, origin));
+    }
+
     /// Whether a relayed (or own) batch of `w` from `origin` at `seq`, drained under `ticket`,
     /// may be applied. A batch of the highest epoch raises the fence; one of a superseded epoch
-    /// passes only if it comes before the cut its successor declared.
+    /// passes only if it comes before the cut its successor declared, and that successor has not
+    /// cleared the source since.
     pub(crate) fn accept_batch(&self, w: WorkerId, origin: u64, seq: u64, ticket: Ticket) -> bool {
         if ticket.epoch == 0 {
             return true;
@@ -296,6 +314,7 @@ impl Fencing {
         match st.fences.get(&w).copied() {
             Some(f) if (ticket.epoch, origin) < (f.epoch, f.owner) => {
                 matches!(f.prev, Some((o, cut)) if o == origin && seq < cut)
+                    && st.cleared.get(&w) != Some(&(f.epoch, f.owner))
             }
             _ => {
                 raise(
@@ -369,6 +388,10 @@ mod tests {
             assert!(!x.accept_batch(w(), old, 2, ot));
         }
         assert!(r.accept_batch(w(), old, 1, ot), "before the cut");
+        // Once the new owner cleared the source, a lagging replica no longer applies the old
+        // owner's earlier batches (the others applied them before the clear erased them).
+        r.note_cleared(w(), nt.epoch, new);
+        assert!(!r.accept_batch(w(), old, 1, ot), "after the clear");
         // The old owner learns the higher claim and stops admitting drains.
         o.observe_claim(w(), new, 2, true, Some((old, 2)));
         assert!(o.admit(&w(), Instant::now()).is_none());

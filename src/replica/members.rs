@@ -335,7 +335,10 @@ pub(crate) async fn probe_loop(state: Arc<ReplicaState>) {
                     pc.worker == name && (pc.active || (pc.epoch, p.instance) > (c.epoch, m.own))
                 })
             });
-            if c.active && !outranked && state.owner_of(&w) == Some(state.instance) {
+            // With a drain Lease, only its confirmed renewals extend the claims (`lease.rs`).
+            let probes_decide = state.lease().is_none();
+            if probes_decide && c.active && !outranked && state.owner_of(&w) == Some(state.instance)
+            {
                 state.hub.fencing.renew(&w, until);
             }
         }

@@ -11,8 +11,11 @@
 //! - Peers are found from a static list, DNS, or Kubernetes ([`members`]) and probed with
 //!   `Hello`; the API is token-authenticated and size-limited ([`service`]), and speaks mutual
 //!   TLS when `peers.cert_path` is set (`crate::tls`, on both the server and the client side).
+//! - With `peers.coordination: lease` the drains' owner is the holder of a Kubernetes Lease
+//!   ([`lease`]) instead of the rendezvous choice among the replicas the probes see.
 
 pub mod fence;
+pub mod lease;
 pub mod members;
 pub mod relay;
 pub mod service;
@@ -89,6 +92,33 @@ pub struct PeersConfig {
     pub relay_log_batches: usize,
     /// ...and at most this many encoded bytes of them.
     pub relay_log_bytes: usize,
+    /// Who decides which replica drains single-reader sources (TensorRT-LLM's HTTP drain):
+    /// `lease` (a `coordination.k8s.io/v1` Lease per replica set, on Kubernetes), `probes` (the
+    /// replicas' own probes and fencing), or `auto` (default): `lease` when the replicas run on
+    /// Kubernetes (`peers.service` set, or InferencePool discovery on), else `probes`.
+    pub coordination: Coordination,
+    /// The drain Lease's name (in the pod's namespace, `pool.namespace`). Default:
+    /// `<peers.service>-drains`, else `kv-epp-drains`.
+    pub lease_name: Option<String>,
+    /// `leaseDurationSeconds` of the drain Lease: a holder that stops renewing is replaced this
+    /// long after its last renewal was seen.
+    pub lease_duration_seconds: u32,
+    /// How often the holder renews the drain Lease and the others read it (at most a third of
+    /// the duration).
+    pub lease_renew_ms: u64,
+}
+
+/// How drain ownership is decided (`peers.coordination`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Coordination {
+    /// `lease` on Kubernetes (`peers.service` or pool discovery), else `probes`.
+    #[default]
+    Auto,
+    /// A Kubernetes Lease per replica set.
+    Lease,
+    /// Peer probes and fencing alone.
+    Probes,
 }
 
 impl Default for PeersConfig {
@@ -108,6 +138,10 @@ impl Default for PeersConfig {
             snapshot_chunk_blocks: 16_384,
             relay_log_batches: 65_536,
             relay_log_bytes: 256 << 20,
+            coordination: Coordination::Auto,
+            lease_name: None,
+            lease_duration_seconds: 10,
+            lease_renew_ms: 2_000,
         }
     }
 }
@@ -227,6 +261,8 @@ pub struct ReplicaState {
     pub counters: ReplicaCounters,
     readiness: Readiness,
     started: Instant,
+    /// The drain Lease, with `peers.coordination: lease`.
+    lease: std::sync::OnceLock<Arc<lease::DrainLease>>,
 }
 
 impl ReplicaState {
@@ -288,6 +324,7 @@ impl ReplicaState {
             counters,
             readiness,
             started: Instant::now(),
+            lease: std::sync::OnceLock::new(),
         }))
     }
 
@@ -342,9 +379,36 @@ impl ReplicaState {
         Duration::from_millis(self.config.probe_interval_ms)
     }
 
-    /// The replica that owns a single-reader source: the highest rendezvous weight among the
-    /// ready replicas (this one included when ready). `None` when no replica is ready.
+    /// Decides drain ownership through `lease` (a Kubernetes Lease) from now on instead of the
+    /// probes; call before [`start`]. A second call is ignored.
+    pub fn use_lease(&self, lease: Arc<lease::DrainLease>) {
+        let _ = self.lease.set(lease);
+    }
+
+    /// The drain Lease, when ownership is decided by one.
+    pub(crate) fn lease(&self) -> Option<&Arc<lease::DrainLease>> {
+        self.lease.get()
+    }
+
+    /// Until when a claim activated now may drain: the drain Lease's confirmed holding, or the
+    /// lease the last completed probe round confirmed. `None`: not now.
+    pub(crate) fn drain_lease_until(&self) -> Option<Instant> {
+        match self.lease() {
+            Some(l) => l.held_until(Instant::now()),
+            None => Some(self.members.lease_until()),
+        }
+    }
+
+    /// The replica that owns a single-reader source: with a drain Lease, its holder (this one
+    /// only while ready and its holding is confirmed); else the highest rendezvous weight among
+    /// the ready replicas (this one included when ready). `None` when no replica is known to.
     pub(crate) fn owner_of(&self, worker: &WorkerId) -> Option<u64> {
+        if let Some(l) = self.lease() {
+            if self.is_ready() && l.held_until(Instant::now()).is_some() {
+                return Some(self.instance);
+            }
+            return l.holder().filter(|&h| h != self.instance);
+        }
         let mut ready = self.members.ready_instances();
         if self.is_ready() {
             ready.push(self.instance);
@@ -378,6 +442,13 @@ pub fn start(
             stop.clone(),
         )),
     ];
+    if let Some(lease) = state.lease().cloned() {
+        tasks.push(tokio::spawn(lease::run_until_stopped(
+            state.clone(),
+            lease,
+            stop.clone(),
+        )));
+    }
     if let Some(tls) = &state.tls {
         tasks.push(tokio::spawn(crate::tls::watch(
             tls.configs.clone(),

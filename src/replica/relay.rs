@@ -228,6 +228,8 @@ impl RelayHub {
         }
         if events.iter().any(|e| matches!(e, EngineEvent::Cleared)) {
             self.fencing.set_diverged(*worker, false);
+            self.fencing
+                .note_cleared(*worker, ticket.epoch, self.instance);
         }
         for events in split(events, self.max_batch_bytes) {
             let batch = pb::RelayBatch {
@@ -382,6 +384,7 @@ impl RelayHub {
                     .any(|e| matches!(e.kind, Some(pb::relay_event::Kind::Cleared(_))))
                 {
                     self.fencing.set_diverged(worker, false);
+                    self.fencing.note_cleared(worker, b.epoch, b.origin);
                 }
                 for ev in &b.events {
                     match from_pb(ev) {
@@ -651,8 +654,11 @@ pub(crate) async fn maintain(state: Arc<ReplicaState>) {
             let peer_active = view
                 .iter()
                 .any(|m| m.claims.iter().any(|c| c.worker == name && c.active));
+            // With a drain Lease the API server arbitrates: a peer's stale draining claim (a
+            // previous holder that has not yet seen it lost) is no reason to back off.
+            let leased = state.lease().is_some();
             match (&ours, peer_top) {
-                (Some(c), Some(_)) if c.active && peer_active => {
+                (Some(c), Some(_)) if c.active && peer_active && !leased => {
                     owner_since.remove(w);
                     stand_down(&state, w, "a peer drains the worker too: backing off");
                     continue;
@@ -668,7 +674,8 @@ pub(crate) async fn maintain(state: Arc<ReplicaState>) {
                 }
                 (None, Some(_)) => continue, // it stands down first when it sees us own it
                 (None, None) => {
-                    let epoch = fencing.claim(*w);
+                    let floor = state.lease().map_or(0, |l| l.epoch_floor());
+                    let epoch = fencing.claim_above(*w, floor);
                     tracing::debug!(worker = %w, epoch, "claiming the worker's event drain");
                     owner_since.insert(*w, now);
                     continue;
@@ -699,10 +706,13 @@ pub(crate) async fn maintain(state: Arc<ReplicaState>) {
                 && !waiting_for_catch_up
                 && handed_over(&state, &view, w)
             {
+                let Some(until) = state.drain_lease_until() else {
+                    continue;
+                };
                 let prev = fencing
                     .previous_owner(w)
                     .map(|o| (o, state.hub.position(o).unwrap_or(0)));
-                fencing.activate(w, prev, state.members.lease_until());
+                fencing.activate(w, prev, until);
                 tracing::info!(worker = %w, epoch = c.epoch, "this replica now owns the worker's event drain");
                 state.feeds.poll(
                     *w,

@@ -7,7 +7,11 @@
 //! on the same port to simulate an outage. It also answers `POST` TokenReviews
 //! (`authentication.k8s.io/v1`: the tokens given to [`FakeKube::allow_token`] authenticate) and
 //! SubjectAccessReviews (`authorization.k8s.io/v1`: `get` on the non-resource paths given to
-//! [`FakeKube::grant`]), or fails both with a 500 on demand.
+//! [`FakeKube::grant`]), or fails both with a 500 on demand. Leases
+//! (`coordination.k8s.io/v1`) are served as the real API server serves them: `GET` of one
+//! (404 `NotFound` Status when absent), `POST` to create (201, or 409 `AlreadyExists`), `PUT` to
+//! update (404 when absent; 409 `Conflict` Status when the body names a resourceVersion other
+//! than the stored one; none = unconditional), each write a new resourceVersion.
 //!
 //! Every response carries `connection: close`, so a stopped server is really unreachable: no
 //! client keeps a pooled connection to it.
@@ -39,14 +43,17 @@ pub enum Res {
     PoolV1alpha2,
     /// discovery.k8s.io/v1 endpointslices.
     EndpointSlices,
+    /// coordination.k8s.io/v1 leases.
+    Leases,
 }
 
 impl Res {
-    const ALL: [Res; 4] = [
+    const ALL: [Res; 5] = [
         Res::Pods,
         Res::PoolV1,
         Res::PoolV1alpha2,
         Res::EndpointSlices,
+        Res::Leases,
     ];
 
     fn prefix(self) -> &'static str {
@@ -55,6 +62,7 @@ impl Res {
             Res::PoolV1 => "/apis/inference.networking.k8s.io/v1",
             Res::PoolV1alpha2 => "/apis/inference.networking.x-k8s.io/v1alpha2",
             Res::EndpointSlices => "/apis/discovery.k8s.io/v1",
+            Res::Leases => "/apis/coordination.k8s.io/v1",
         }
     }
 
@@ -63,6 +71,7 @@ impl Res {
             Res::Pods => "pods",
             Res::PoolV1 | Res::PoolV1alpha2 => "inferencepools",
             Res::EndpointSlices => "endpointslices",
+            Res::Leases => "leases",
         }
     }
 
@@ -71,6 +80,7 @@ impl Res {
             Res::Pods => "Pod",
             Res::PoolV1 | Res::PoolV1alpha2 => "InferencePool",
             Res::EndpointSlices => "EndpointSlice",
+            Res::Leases => "Lease",
         }
     }
 
@@ -88,6 +98,19 @@ impl Res {
                 .strip_prefix("/namespaces/")?;
             let (ns, plural) = rest.split_once('/')?;
             (plural == r.plural()).then(|| (r, ns.to_owned()))
+        })
+    }
+
+    /// `/.../namespaces/{ns}/{plural}/{name}` → (resource, namespace, name).
+    fn parse_item(path: &str) -> Option<(Res, String, String)> {
+        Res::ALL.into_iter().find_map(|r| {
+            let rest = path
+                .strip_prefix(r.prefix())?
+                .strip_prefix("/namespaces/")?;
+            let mut parts = rest.split('/');
+            let (ns, plural, name) = (parts.next()?, parts.next()?, parts.next()?);
+            (plural == r.plural() && !name.is_empty() && parts.next().is_none())
+                .then(|| (r, ns.to_owned(), name.to_owned()))
         })
     }
 }
@@ -164,6 +187,9 @@ struct ApiState {
     /// Reviews answer 500.
     reviews_fail: bool,
     token_reviews: usize,
+    /// Lease writes answered 200/201, and 409s.
+    lease_writes: usize,
+    lease_conflicts: usize,
 }
 
 impl ApiState {
@@ -401,6 +427,36 @@ impl FakeKube {
         self.state.lock().unwrap().token_reviews
     }
 
+    /// The stored object, if any.
+    pub fn get(&self, res: Res, ns: &str, name: &str) -> Option<Value> {
+        let s = self.state.lock().unwrap();
+        s.objects
+            .get(&(res, ns.to_owned(), name.to_owned()))
+            .cloned()
+    }
+
+    /// Every version the object went through, oldest first (`None`: deleted).
+    pub fn history(&self, res: Res, ns: &str, name: &str) -> Vec<Option<Value>> {
+        let s = self.state.lock().unwrap();
+        s.history
+            .iter()
+            .filter(|c| c.res == res && c.ns == ns)
+            .filter(|c| {
+                c.new
+                    .as_ref()
+                    .or(c.old.as_ref())
+                    .is_some_and(|o| o["metadata"]["name"] == name)
+            })
+            .map(|c| c.new.clone())
+            .collect()
+    }
+
+    /// Lease writes that succeeded, and those refused with 409.
+    pub fn lease_writes(&self) -> (usize, usize) {
+        let s = self.state.lock().unwrap();
+        (s.lease_writes, s.lease_conflicts)
+    }
+
     /// Stops listening and ends every open watch: the API is unreachable until `restart`.
     pub async fn stop(&self) {
         let task = self.server.lock().unwrap().take();
@@ -551,7 +607,97 @@ fn review(state: &Mutex<ApiState>, path: &str, body: &[u8]) -> Response {
     respond(StatusCode::CREATED, Body::from(review.to_string()))
 }
 
+/// A Status as the API server words it for one object.
+fn object_status(code: u16, reason: &str, res: Res, name: &str) -> Response {
+    let what = format!(
+        "{}.{}",
+        res.plural(),
+        res.api_version().split('/').next().unwrap_or("")
+    );
+    let message = match reason {
+        "NotFound" => format!("{what} \"{name}\" not found"),
+        "AlreadyExists" => format!("{what} \"{name}\" already exists"),
+        _ => format!(
+            "Operation cannot be fulfilled on {what} \"{name}\": the object has been modified; please apply your changes to the latest version and try again"
+        ),
+    };
+    let body = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+        "message": message, "reason": reason,
+        "details": {"name": name, "group": res.api_version().split('/').next(), "kind": res.plural()},
+        "code": code});
+    respond(
+        StatusCode::from_u16(code).unwrap(),
+        Body::from(body.to_string()),
+    )
+}
+
+/// Lease reads and writes with the API server's optimistic concurrency.
+async fn lease(state: &Mutex<ApiState>, req: Request<Body>) -> Response {
+    let method = req.method().clone();
+    let path = req.uri().path().to_owned();
+    let body = axum::body::to_bytes(req.into_body(), 1 << 20)
+        .await
+        .unwrap_or_default();
+    let mut s = state.lock().unwrap();
+    let (ns, name) = match (Res::parse_item(&path), Res::parse(&path)) {
+        (Some((Res::Leases, ns, name)), _) => (ns, Some(name)),
+        (_, Some((Res::Leases, ns))) => (ns, None),
+        _ => return status(404, "NotFound"),
+    };
+    let obj = || serde_json::from_slice::<Value>(&body).ok();
+    match (method.as_str(), name) {
+        ("GET", Some(name)) => match s.objects.get(&(Res::Leases, ns, name.clone())) {
+            Some(o) => respond(StatusCode::OK, Body::from(o.to_string())),
+            None => object_status(404, "NotFound", Res::Leases, &name),
+        },
+        ("POST", None) => {
+            let Some(o) = obj() else {
+                return status(400, "BadRequest");
+            };
+            let Some(name) = o["metadata"]["name"].as_str().map(str::to_owned) else {
+                return status(422, "Invalid");
+            };
+            if s.objects
+                .contains_key(&(Res::Leases, ns.clone(), name.clone()))
+            {
+                s.lease_conflicts += 1;
+                return object_status(409, "AlreadyExists", Res::Leases, &name);
+            }
+            s.change(Res::Leases, &ns, &name, Some(o), false);
+            s.lease_writes += 1;
+            let stored = s.objects[&(Res::Leases, ns, name)].clone();
+            respond(StatusCode::CREATED, Body::from(stored.to_string()))
+        }
+        ("PUT", Some(name)) => {
+            let Some(o) = obj() else {
+                return status(400, "BadRequest");
+            };
+            let key = (Res::Leases, ns.clone(), name.clone());
+            let Some(current) = s.objects.get(&key) else {
+                return object_status(404, "NotFound", Res::Leases, &name);
+            };
+            let stored_rv = current["metadata"]["resourceVersion"].clone();
+            match o["metadata"]["resourceVersion"].as_str() {
+                Some(rv) if !rv.is_empty() && Some(rv) != stored_rv.as_str() => {
+                    s.lease_conflicts += 1;
+                    return object_status(409, "Conflict", Res::Leases, &name);
+                }
+                _ => {}
+            }
+            s.change(Res::Leases, &ns, &name, Some(o), false);
+            s.lease_writes += 1;
+            let stored = s.objects[&key].clone();
+            respond(StatusCode::OK, Body::from(stored.to_string()))
+        }
+        _ => status(405, "MethodNotAllowed"),
+    }
+}
+
 async fn handle(State(state): State<Arc<Mutex<ApiState>>>, req: Request<Body>) -> Response {
+    let path = req.uri().path();
+    if path.starts_with(Res::Leases.prefix()) {
+        return lease(&state, req).await;
+    }
     if req.method() == axum::http::Method::POST {
         let path = req.uri().path().to_owned();
         let body = axum::body::to_bytes(req.into_body(), 1 << 20)

@@ -29,6 +29,15 @@ FULLNAME = "llama-kv-epp"
 
 # The one value the chart cannot default: which pods are the model servers.
 BASE = {"inferencePool": {"modelServers": {"matchLabels": {"app": "vllm-llama"}}}}
+# The peers section of the rendered config by default: the peer Service, and a Lease per release
+# deciding which replica drains TensorRT-LLM's HTTP event queues.
+PEERS = {
+    "service": f"{FULLNAME}-peers",
+    "coordination": "lease",
+    "lease_name": f"{FULLNAME}-drains",
+    "lease_duration_seconds": 10,
+    "lease_renew_ms": 2000,
+}
 
 
 def merged(*overrides: dict) -> dict:
@@ -175,7 +184,7 @@ def test_headless_peer_service_lists_every_replica(chart):
     assert [(p["name"], p["port"]) for p in peers["ports"]] == [("peer", 9004)]
     deployment_labels = r.one("Deployment")["spec"]["template"]["metadata"]["labels"]
     assert peers["selector"].items() <= deployment_labels.items()
-    assert r.config["peers"] == {"service": f"{FULLNAME}-peers"}
+    assert r.config["peers"] == PEERS
 
 
 def test_probes_use_grpc_health_service_names(chart):
@@ -677,7 +686,7 @@ def test_peer_tls_is_on_by_default_with_a_generated_certificate(chart, tmp_path)
     files = peer_tls_secret(r)
     assert set(files) == {"tls.crt", "tls.key", "ca.crt"}
     # The name kv-epp checks under peers.service (`<service>.<pool namespace>.svc`).
-    assert r.config["peers"] == {"service": f"{FULLNAME}-peers"}
+    assert r.config["peers"] == PEERS
     mutual_handshake(files, f"{FULLNAME}-peers.{NAMESPACE}.svc", tmp_path)
     # Secret material never reaches the ConfigMap.
     cm = r.one("ConfigMap")["data"]["config.yaml"]
@@ -815,6 +824,37 @@ def test_tensorrt_llm_workers_are_polled(chart):
     assert r.one("InferencePool")["spec"]["targetPorts"] == [{"number": 8000}, {"number": 8001}]
 
 
+def test_the_drain_lease_is_the_only_write_and_only_for_http_drains(chart):
+    """TensorRT-LLM drained over HTTP under `coordination: lease` (the default): the Role may
+    create a Lease and read and update that one Lease, nothing else; any other engine, the ZeroMQ
+    transport or `coordination: probes` leaves the Role read-only."""
+    lease_rules = [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "resourceNames": [f"{FULLNAME}-drains"],
+            "verbs": ["get", "update"],
+        },
+    ]
+    trt = {"inferencePool": {"modelServerType": "trtllm-serve"}}
+    r = render(chart, merged(trt, {"config": {"peers": {"lease_duration_seconds": 15, "lease_renew_ms": 3000}}}))
+    rules = r.one("Role")["rules"]
+    assert rules[3:] == lease_rules
+    assert all(set(rule["verbs"]) <= {"get", "list", "watch"} for rule in rules[:3])
+    assert r.config["peers"] == {**PEERS, "lease_duration_seconds": 15, "lease_renew_ms": 3000}
+    for other in (
+        {"config": {"events": {"trtllm": {"transport": "zmq"}}}},
+        {"config": {"peers": {"coordination": "probes"}}},
+        {"inferencePool": {"modelServerType": "vllm"}},
+    ):
+        r = render(chart, merged(trt, other))
+        assert len(r.one("Role")["rules"]) == 3, other
+    assert render(chart, merged(trt, {"config": {"peers": {"coordination": "probes"}}})).config["peers"][
+        "coordination"
+    ] == "probes"
+
+
 def test_trtllm_over_zeromq_and_unsalted_engines(chart):
     values = {"inferencePool": {"modelServerType": "trtllm-serve"}, "config": {"events": {
         "trtllm": {"transport": "zmq"}, "salted_events": False, "zmq": {"port": 7000}}}}
@@ -863,6 +903,9 @@ def test_event_engine_follows_the_model_server(chart, server, engine, expected):
         ({"config": {"pool": {"api_unreachable_timeout_ms": 0}}}, "/config/pool/api_unreachable_timeout_ms", "minimum"),
         ({"config": {"pool": {"model_label": ""}}}, "/config/pool/model_label", "minLength"),
         ({"config": {"pool": {"name": "x"}}}, "/config/pool", "'name' not allowed"),
+        ({"config": {"peers": {"coordination": "raft"}}}, "/config/peers/coordination", "lease"),
+        ({"config": {"peers": {"lease_duration_seconds": 0}}}, "/config/peers/lease_duration_seconds", "minimum"),
+        ({"config": {"peers": {"service": "x"}}}, "/config/peers", "'service' not allowed"),
         ({"experimentalHttpRoute": {"requestTimeout": "forever"}}, "/experimentalHttpRoute/requestTimeout", "pattern"),
         ({"inferenceExtension": {"admin": {"service": "yes"}}}, "/inferenceExtension/admin/service", "want boolean"),
         ({"inferenceExtension": {"admin": {"secret": "x"}}}, "/inferenceExtension/admin", "'secret' not allowed"),
@@ -1035,6 +1078,7 @@ def kv_epp_binary() -> Path | None:
         merged(BASE, {"inferenceExtension": {"replicas": 3}}),
         merged(BASE, {"inferenceExtension": {"monitoring": {"prometheus": {"auth": {"enabled": True}}}}}),
         merged(BASE, {"inferencePool": {"modelServerType": "trtllm-serve"}}),
+        merged(BASE, {"inferencePool": {"modelServerType": "trtllm-serve"}, "config": {"peers": {"coordination": "probes"}}}),
         merged(BASE, {"inferencePool": {"modelServerType": "sglang"}}),
         merged(BASE, {"config": {"models": [{"name": "m", "block_size": 16}]}}),
         merged(BASE, {"inferenceExtension": {"tls": {"secretName": "t", "clientCA": {"secretName": "ca"}}, "peerTLS": {"enabled": False}}}),

@@ -118,6 +118,19 @@ volume is read-only and cannot hold mount points for other volumes. */}}
 {{- end }}
 {{- end }}
 
+{{/* The drain Lease's name (config.peers.coordination: lease). */}}
+{{- define "kv-epp.drainLeaseName" -}}
+{{- printf "%s-drains" (include "kv-epp.fullname" .) }}
+{{- end }}
+
+{{/* "true" when a drain Lease is in use: coordination lease and an engine drained over HTTP
+(TensorRT-LLM without its ZeroMQ transport), the only single-reader source; the Role allows
+Leases only then. */}}
+{{- define "kv-epp.drainLease" -}}
+{{- $c := .Values.config }}
+{{- if and (eq ($c.peers.coordination | default "lease") "lease") (eq (include "kv-epp.eventsEngine" .) "trtllm") (ne ($c.events.trtllm.transport | default "http") "zmq") }}true{{ end }}
+{{- end }}
+
 {{/* Checks the schema cannot express (they compare several values). */}}
 {{- define "kv-epp.validate" -}}
 {{- $ie := .Values.inferenceExtension }}
@@ -235,7 +248,12 @@ file never disagree. */}}
       "models" $c.models
       "workers" $c.workers
       "events" $events
-      "peers" (dict "service" (include "kv-epp.peerServiceName" .)) }}
+      "peers" (dict
+        "service" (include "kv-epp.peerServiceName" .)
+        "coordination" ($c.peers.coordination | default "lease")
+        "lease_name" (include "kv-epp.drainLeaseName" .)
+        "lease_duration_seconds" (int64 $c.peers.lease_duration_seconds)
+        "lease_renew_ms" (int64 $c.peers.lease_renew_ms)) }}
 {{- toYaml $out }}
 {{- end }}
 

@@ -1,0 +1,392 @@
+//! Drain ownership decided by a Kubernetes Lease (`peers.coordination: lease`), black box: three
+//! `kv-epp serve` processes against the fake API server (`common/kube_api.rs`, which serves
+//! Leases with the real resourceVersion rules: 404, 201, 409 Conflict), two TensorRT-LLM-style
+//! drain engines that record which process drained them, and a cuttable TCP relay in front of
+//! every replica's peer port. One scenario, while events keep coming:
+//!
+//! 1. exactly one replica (the Lease's holder) drains, both engines;
+//! 2. a symmetric peer partition (no replica reaches another, all reach the API server), which
+//!    splits the drain under probes alone: the holder keeps draining, nobody else starts;
+//! 3. the holder frozen (SIGSTOP) past the lease duration: another replica takes over; resumed
+//!    (SIGCONT), the old holder never drains again and reports the lapse;
+//! 4. the holder killed (-9): another takes over within the README's bound;
+//! 5. the API server unreachable: nobody drains once the holder's lease could have expired,
+//!    nobody takes over, and the lease counters move; back, draining resumes;
+//! 6. the holder shut down (SIGTERM): it releases the Lease, and another takes over at once.
+//!
+//! Throughout: never two processes draining one engine at once, and (outside the outage) no
+//! engine without a poller beyond the bound; afterwards every replica holds the same index.
+
+mod common;
+#[path = "common/kube_api.rs"]
+mod kube_api;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use common::replicas::{
+    Cutter, DrainEngine, Replica, check_drains, converge, ports, recent_poller, round,
+    wait_poller_among,
+};
+use kube_api::{FakeKube, Res};
+use serde_json::Value;
+
+/// Probe interval of the test replicas (`Replica::spawn` sets it).
+const PROBE: Duration = Duration::from_millis(200);
+/// `peers.lease_duration_seconds` and `peers.lease_renew_ms` of the test replicas.
+const LEASE_SECS: u64 = 2;
+const RENEW: Duration = Duration::from_millis(500);
+/// The README's takeover bound under a Lease: the lease duration, two renew periods (the last
+/// renewal seen up to one period late, expiry noticed up to one period late) and 15 probe
+/// intervals (claim, handoff, scheduling slack on a busy machine).
+fn takeover_bound() -> Duration {
+    Duration::from_secs(LEASE_SECS) + RENEW * 2 + PROBE * 15
+}
+/// How long the partition lasts: longer than every probe timeout (stale after 4 intervals,
+/// handoff 3) and than the lease duration.
+const PARTITION: Duration = Duration::from_secs(3);
+
+fn body(engines: &[std::net::SocketAddr; 2], kubeconfig: &std::path::Path) -> String {
+    format!(
+        "events: {{engine: trtllm, trtllm: {{poll_interval_ms: 50}}}}\n\
+         workers: [{{endpoint: '{}', model: m}}, {{endpoint: '{}', model: m}}]\n\
+         pool: {{namespace: default, kubeconfig: '{}'}}\n",
+        engines[0],
+        engines[1],
+        kubeconfig.display()
+    )
+}
+
+const LEASE: &str =
+    ", coordination: lease, lease_name: trt-drains, lease_duration_seconds: 2, lease_renew_ms: 500";
+
+async fn lease(r: &Replica) -> Value {
+    r.status()
+        .await
+        .map(|s| s["lease"].clone())
+        .unwrap_or_default()
+}
+
+fn pid_of(name: &str) -> Option<u32> {
+    name.rsplit_once('#')?.1.parse().ok()
+}
+
+/// Waits until a replica other than process `not` drains `engine`; its index.
+async fn wait_new_poller(
+    engine: &DrainEngine,
+    names: &HashMap<u32, String>,
+    rs: &[Replica],
+    not: u32,
+    secs: u64,
+) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(n) = recent_poller(engine, names)
+            && let Some(p) = pid_of(&n)
+            && p != not
+            && let Some(i) = rs.iter().position(|r| r.pid() == Some(p))
+        {
+            return i;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no other replica took the engine over in {secs}s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Drains of `engine` within `[from, to)`.
+fn drains_between(engine: &DrainEngine, from: Instant, to: Instant) -> Vec<(Instant, Option<u32>)> {
+    engine
+        .drains
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(t, _)| *t >= from && *t < to)
+        .copied()
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_gives_every_drain_one_owner_through_partitions_pauses_kills_and_outages() {
+    let fake = FakeKube::start().await;
+    let kubeconfig = fake.kubeconfig(&common::test_dir("lease-kube"));
+    let engines = [DrainEngine::default(), DrainEngine::default()];
+    let addrs = [engines[0].start().await, engines[1].start().await];
+    let body = body(&addrs, &kubeconfig);
+    let ps = [ports(), ports(), ports()];
+    // Every peer link goes through a relay the test can cut: cutting all of them is a
+    // symmetric partition (the API server stays reachable).
+    let mut links = Vec::new();
+    for p in &ps {
+        links.push(Cutter::start(format!("127.0.0.1:{}", p.peer)).await);
+    }
+    let peers: Vec<u16> = links.iter().map(|l| l.addr.port()).collect();
+    let mut names: HashMap<u32, String> = HashMap::new();
+    let track = |r: &Replica, names: &mut HashMap<u32, String>| {
+        let pid = r.pid().unwrap();
+        names.insert(pid, format!("{}#{pid}", r.name));
+        for e in &engines {
+            e.watch(pid);
+        }
+    };
+    let mut rs: Vec<Replica> = ["a", "b", "c"]
+        .iter()
+        .zip(&ps)
+        .map(|(n, p)| Replica::spawn_with(n, p, &body, &peers, LEASE))
+        .collect();
+    for r in &rs {
+        track(r, &mut names);
+    }
+    for r in &rs {
+        r.wait_ready(30).await;
+    }
+    let pushing = Arc::new(AtomicBool::new(true));
+    let pusher = {
+        let (engines, pushing) = (engines.clone(), pushing.clone());
+        tokio::spawn(async move {
+            let mut next = 1_000_000u64;
+            while pushing.load(Ordering::SeqCst) {
+                round(&engines, &mut next);
+                tokio::time::sleep(Duration::from_millis(60)).await;
+            }
+            next
+        })
+    };
+    let started = Instant::now();
+
+    // 1. One holder drains every engine, and every replica names it.
+    let (h, _) = wait_poller_among(&engines[0], &names, Some(&rs), 20).await;
+    let (h1, _) = wait_poller_among(&engines[1], &names, Some(&rs), 20).await;
+    assert_eq!(
+        h, h1,
+        "one Lease per replica set: its holder drains both engines"
+    );
+    let settled = Instant::now();
+    let holder_id = format!(
+        "kv-epp-{}",
+        rs[h].status().await.unwrap()["instance"].as_str().unwrap()
+    );
+    for r in &rs {
+        let ok = common::eventually_async(10, || async {
+            let l = lease(r).await;
+            l["holder"] == holder_id.as_str() && l["name"] == "trt-drains"
+        })
+        .await;
+        assert!(ok, "{} names the holder: {}", r.name, lease(r).await);
+    }
+    assert_eq!(lease(&rs[h]).await["held"], true);
+    let stored = fake.get(Res::Leases, "default", "trt-drains").unwrap();
+    assert_eq!(stored["spec"]["holderIdentity"], holder_id.as_str());
+    assert_eq!(stored["spec"]["leaseDurationSeconds"], LEASE_SECS);
+
+    // 2. A symmetric partition: each replica alone, all still reaching the API server.
+    for l in &links {
+        l.set_cut(true);
+    }
+    let cut_at = Instant::now();
+    for r in &rs {
+        let alone = common::eventually_async(10, || async {
+            r.status()
+                .await
+                .is_some_and(|s| s["peers"].as_array().is_some_and(Vec::is_empty))
+        })
+        .await;
+        assert!(alone, "{} still sees peers", r.name);
+    }
+    tokio::time::sleep(PARTITION).await;
+    let healed_at = Instant::now();
+    for l in &links {
+        l.set_cut(false);
+    }
+    let holder_pid = rs[h].pid().unwrap();
+    for (i, e) in engines.iter().enumerate() {
+        let during = drains_between(e, cut_at, healed_at);
+        assert!(!during.is_empty(), "engine {i}: the holder kept draining");
+        assert!(
+            during.iter().all(|(_, p)| *p == Some(holder_pid)),
+            "engine {i}: drained by another replica during the partition"
+        );
+    }
+
+    // 3. The holder frozen past its lease: another takes over; resumed, it never drains again.
+    let (h, _) = wait_poller_among(&engines[0], &names, Some(&rs), 20).await;
+    let frozen_pid = rs[h].pid().unwrap();
+    let frozen_id = format!(
+        "kv-epp-{}",
+        rs[h].status().await.unwrap()["instance"].as_str().unwrap()
+    );
+    rs[h].signal("STOP");
+    let n = wait_new_poller(&engines[0], &names, &rs, frozen_pid, 20).await;
+    rs[h].signal("CONT");
+    let resumed_at = Instant::now();
+    let ok = common::eventually_async(15, || async {
+        let l = lease(&rs[h]).await;
+        l["held"] == false
+            && l["holder"].as_str().is_some_and(|x| x != frozen_id)
+            && l["lapsed"].as_u64() >= Some(1)
+    })
+    .await;
+    assert!(
+        ok,
+        "the resumed holder reports the lapse: {}\n{}",
+        lease(&rs[h]).await,
+        rs[h].log_tail()
+    );
+    let log = std::fs::read_to_string(&rs[h].log).unwrap();
+    assert_eq!(
+        log.matches("the drain lease ran out without a confirmed renewal")
+            .count(),
+        1,
+        "logged once"
+    );
+    assert!(lease(&rs[n]).await["transitions"].as_u64() >= Some(1));
+
+    // 4. The holder killed: another takes over within the bound (checked below).
+    let (k, _) = wait_poller_among(&engines[1], &names, Some(&rs), 20).await;
+    let killed_pid = rs[k].pid().unwrap();
+    rs[k].kill();
+    let killed_at = vec![Instant::now()];
+    let survivor = wait_new_poller(&engines[1], &names, &rs, killed_pid, 20).await;
+    wait_new_poller(&engines[0], &names, &rs, killed_pid, 20).await;
+    // Back as a new instance: three replicas again.
+    rs[k].restart();
+    track(&rs[k], &mut names);
+    rs[k].wait_ready(30).await;
+    let holder = &rs[survivor];
+
+    // 5. The API server unreachable: the holder stops once its lease could have expired and
+    // nobody takes over; the counters move. Then it comes back and draining resumes.
+    let before = lease(holder).await;
+    fake.stop().await;
+    let outage = Instant::now();
+    let ok = common::eventually_async(20, || async {
+        let l = lease(holder).await;
+        l["lapsed"].as_u64() > before["lapsed"].as_u64()
+            && l["api_errors"].as_u64() > before["api_errors"].as_u64()
+            && l["held"] == false
+    })
+    .await;
+    assert!(
+        ok,
+        "the holder's lease lapses and it counts the failures: {}",
+        lease(holder).await
+    );
+    // Watch longer than a lease duration past the point where it could have expired: a
+    // takeover would show as a drain.
+    let expiry = outage + Duration::from_secs(LEASE_SECS);
+    let quiet_until = expiry + Duration::from_secs(LEASE_SECS) * 2;
+    tokio::time::sleep(quiet_until.saturating_duration_since(Instant::now())).await;
+    for (i, e) in engines.iter().enumerate() {
+        let late = drains_between(e, expiry, Instant::now());
+        assert!(
+            late.is_empty(),
+            "engine {i}: drained {} times while the API server was unreachable, after the lease expired",
+            late.len()
+        );
+    }
+    let metrics = common::http(
+        format!("127.0.0.1:{}", ps[survivor].metrics)
+            .parse::<std::net::SocketAddr>()
+            .unwrap(),
+        "GET",
+        "/metrics",
+        &[],
+        b"",
+    )
+    .await
+    .unwrap()
+    .text();
+    assert!(
+        metrics.contains("kv_epp_replica_lease_events_total{event=\"lapsed\"}")
+            && metrics.contains("kv_epp_replica_lease_held 0"),
+        "{metrics}"
+    );
+    fake.restart().await;
+    let back = Instant::now();
+    for e in &engines {
+        wait_poller_among(e, &names, Some(&rs), 20).await;
+    }
+
+    // 6. The holder shut down (SIGTERM, as in a rolling update): it stops draining, then empties
+    // the Lease's holder, and another replica takes over at its next read.
+    let (t, _) = wait_poller_among(&engines[0], &names, Some(&rs), 20).await;
+    let term_pid = rs[t].pid().unwrap();
+    let versions = fake.history(Res::Leases, "default", "trt-drains").len();
+    rs[t].signal("TERM");
+    let exited = common::eventually(20, || {
+        rs[t]
+            .child
+            .as_mut()
+            .is_some_and(|c| c.try_wait().is_ok_and(|s| s.is_some()))
+    })
+    .await;
+    assert!(exited, "the holder exits on SIGTERM:\n{}", rs[t].log_tail());
+    let exited_at = Instant::now();
+    rs[t].kill();
+    let holders: Vec<Option<String>> = fake.history(Res::Leases, "default", "trt-drains")
+        [versions..]
+        .iter()
+        .map(|v| {
+            v.as_ref()
+                .and_then(|o| o["spec"]["holderIdentity"].as_str().map(str::to_owned))
+        })
+        .collect();
+    assert!(
+        holders.contains(&None),
+        "the holder released the Lease on its way out: {holders:?}"
+    );
+    wait_new_poller(&engines[0], &names, &rs, term_pid, 20).await;
+    wait_new_poller(&engines[1], &names, &rs, term_pid, 20).await;
+    eprintln!(
+        "after SIGTERM: the next holder drained {:?} after the old one exited",
+        exited_at.elapsed()
+    );
+
+    pushing.store(false, Ordering::SeqCst);
+    let mut next = pusher.await.unwrap();
+    assert!(common::eventually(10, || engines.iter().all(DrainEngine::is_drained)).await);
+
+    let bound = takeover_bound();
+    for (i, e) in engines.iter().enumerate() {
+        // Until the kill, the new holder kept the lease (later, the resumed replica may
+        // legitimately take over).
+        let resumed = drains_between(e, resumed_at, killed_at[0]);
+        assert!(
+            resumed.iter().all(|(_, p)| *p != Some(frozen_pid)),
+            "engine {i}: the resumed holder drained again"
+        );
+        // Before the outage: never two pollers, no gap beyond the bound.
+        let gap = check_drains(
+            &format!("engine {i}"),
+            &drains_between(e, settled, outage),
+            &names,
+            &killed_at,
+            PROBE,
+            bound,
+        );
+        eprintln!("engine {i}: longest time without a poller {gap:?} (bound {bound:?})");
+        check_drains(
+            &format!("engine {i} after the outage"),
+            &drains_between(e, back, Instant::now()),
+            &names,
+            &[exited_at],
+            PROBE,
+            bound,
+        );
+    }
+    let alive: Vec<&Replica> = rs.iter().filter(|r| r.pid().is_some()).collect();
+    let (_, blocks) = converge(&alive, 1, 60).await;
+    let added = round(&engines, &mut next);
+    assert!(common::eventually(10, || engines.iter().all(DrainEngine::is_drained)).await);
+    let (_, after) = converge(&alive, blocks + added, 30).await;
+    assert_eq!(after, blocks + added);
+    let (writes, conflicts) = fake.lease_writes();
+    eprintln!(
+        "lease scenario took {:?}; {writes} lease writes, {conflicts} conflicts; final index {after} blocks",
+        started.elapsed()
+    );
+}

@@ -548,11 +548,8 @@ fn stored(dialect: Dialect, fields: &Fields<'_>) -> Result<Stored, DecodeError> 
         };
         let n = capped(n, MAX_TOKENS_PER_EVENT, "token_ids")?;
         let mut out = Vec::with_capacity(n);
-        for _ in 0..n {
-            match rd.head()? {
-                Head::Uint(t) => out.push(u32::try_from(t).map_err(|_| bad("token_ids"))?),
-                _ => return Err(bad("token_ids")),
-            }
+        if !rd.u32s(n, &mut out)? {
+            return Err(bad("token_ids"));
         }
         out
     };

@@ -286,6 +286,28 @@ impl<'a> Reader<'a> {
         Ok(true)
     }
 
+    /// [`Reader::value`] for a value that is usually an array of at most `cap` token ids: such
+    /// an array is read into `out` (cleared first) while it is stepped over, and `true` returned;
+    /// anything else is skipped as [`Reader::value`] does, `out` is left empty and `false`
+    /// returned. One pass over the ids instead of a skip now and a decode later.
+    pub(crate) fn value_u32s(
+        &mut self,
+        depth: usize,
+        cap: usize,
+        out: &mut Vec<u32>,
+    ) -> Result<(&'a [u8], bool), Malformed> {
+        let start = self.pos;
+        out.clear();
+        if let Ok(Head::Array(n)) = self.head() {
+            if usize::try_from(n).is_ok_and(|n| n <= cap) && self.u32s(n as usize, out)? {
+                return Ok((&self.buf[start..self.pos], true));
+            }
+            out.clear();
+        }
+        self.pos = start;
+        self.value(depth).map(|v| (v, false))
+    }
+
     /// Skips one whole value (as [`Reader::skip`]) and returns its bytes.
     pub(crate) fn value(&mut self, depth: usize) -> Result<&'a [u8], Malformed> {
         let start = self.pos;
@@ -500,5 +522,32 @@ mod tests {
         for cut in 1..bytes.len() {
             assert!(Reader::new(&bytes[..cut]).skip(4).is_err(), "cut at {cut}");
         }
+    }
+
+    #[test]
+    fn values_that_hold_token_ids_are_read_while_skipped() {
+        let mut out = vec![9];
+        // [1, 300, 70000] then nil.
+        let ids = b"\x93\x01\xcd\x01\x2c\xce\x00\x01\x11\x70\xc0";
+        let mut rd = Reader::new(ids);
+        assert_eq!(rd.value_u32s(4, 3, &mut out), Ok((&ids[..10], true)));
+        assert_eq!(out, [1, 300, 70_000]);
+        assert_eq!(rd.head(), Ok(Head::Nil));
+        // Over the cap, not all ids, or no array: skipped like `value`, nothing read.
+        for (bytes, cap) in [
+            (&ids[..], 2),
+            (&b"\x92\x01\xa1x\xc0"[..], 3),
+            (&b"\x92\x01\xd0\xff\xc0"[..], 3),
+            (&b"\x81\x01\x02\xc0"[..], 3),
+            (&b"\xc0\xc0"[..], 3),
+        ] {
+            let want = Reader::new(bytes).value(4);
+            let mut rd = Reader::new(bytes);
+            assert_eq!(rd.value_u32s(4, cap, &mut out), want.map(|v| (v, false)));
+            assert!(out.is_empty());
+            assert_eq!(rd.head(), Ok(Head::Nil));
+        }
+        // Truncated: an error, as `value` gives.
+        assert!(Reader::new(&ids[..7]).value_u32s(4, 3, &mut out).is_err());
     }
 }

@@ -77,6 +77,10 @@ fn main() {
         println!("(smoke run; `make bench` runs the full benchmarks)");
         return;
     }
+    if args.iter().any(|a| a == "--only-zmq") {
+        bench_events_over_zmq();
+        return;
+    }
     if args.iter().any(|a| a == "--only-hashing") {
         bench_hashing();
         return;

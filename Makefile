@@ -54,6 +54,7 @@ bench: tools
 	$(CARGO) bench --manifest-path benches/peers/Cargo.toml -- $(if $(TRACE),--trace $(TRACE),)
 	$(CARGO) bench --bench replica
 	$(CARGO) bench --bench decode
+	$(CARGO) bench --bench ingest
 	KV_EPP_VENV=$(CURDIR)/.venv $(CARGO) bench --bench tokenize
 	KV_EPP_VENV=$(CURDIR)/.venv $(CARGO) bench --bench tokenize_memory
 	$(CARGO) bench --bench decide_lanes

@@ -219,23 +219,93 @@ impl<'a> Reader<'a> {
             _ => return Ok(()),
         };
         let inner = depth.checked_sub(1).ok_or(Malformed::TooDeep)?;
-        for _ in 0..elements {
-            // Values of a size known from their marker alone are stepped over; only containers
-            // recurse.
-            let size = self
-                .buf
-                .get(self.pos)
-                .map_or(0, |&m| FIXED_SIZE[usize::from(m)]);
-            if size > 0 {
-                self.take(u64::from(size))?;
-                continue;
+        let mut left = elements;
+        while left > 0 {
+            // A run of values whose size the marker alone gives (token ids, hashes) is stepped
+            // over in a tight loop, bounds checked once at its end; only containers recurse.
+            let (buf, start) = (self.buf, self.pos);
+            let mut pos = start;
+            let mut last = 0;
+            while left > 0
+                && let Some(&m) = buf.get(pos)
+            {
+                let size = usize::from(FIXED_SIZE[usize::from(m)]);
+                if size == 0 {
+                    break;
+                }
+                last = size;
+                pos += size;
+                left -= 1;
             }
+            if pos > buf.len() {
+                return Err(Malformed::Truncated {
+                    need: last as u64,
+                    left: buf.len() - (pos - last),
+                });
+            }
+            self.pos = pos;
+            if left == 0 {
+                break;
+            }
+            left -= 1;
             let head = self.head()?;
             if matches!(head, Head::Array(_) | Head::Map(_)) {
                 self.skip_elements(head, inner)?;
             }
         }
         Ok(())
+    }
+
+    /// Reads `n` array elements that must be integers in `0..=u32::MAX` (token ids) into `out`;
+    /// `Ok(false)` at the first element that is not (what was read stays in `out`). The common
+    /// encodings (fixint, uint8/16/32) are read in a tight loop; any other marker goes through
+    /// [`Reader::head`], so every encoding of such an integer is accepted as before.
+    pub(crate) fn u32s(&mut self, n: usize, out: &mut Vec<u32>) -> Result<bool, Malformed> {
+        out.reserve(n);
+        for _ in 0..n {
+            let buf = &self.buf[self.pos..];
+            let (value, size) = match buf {
+                [m @ 0x00..=0x7f, ..] => (u32::from(*m), 1),
+                [0xcc, b, ..] => (u32::from(*b), 2),
+                [0xcd, b @ ..] if b.len() >= 2 => (u32::from(u16::from_be_bytes([b[0], b[1]])), 3),
+                [0xce, b @ ..] if b.len() >= 4 => (u32::from_be_bytes([b[0], b[1], b[2], b[3]]), 5),
+                _ => match self.head()? {
+                    Head::Uint(t) => match u32::try_from(t) {
+                        Ok(t) => {
+                            out.push(t);
+                            continue;
+                        }
+                        Err(_) => return Ok(false),
+                    },
+                    _ => return Ok(false),
+                },
+            };
+            self.pos += size;
+            out.push(value);
+        }
+        Ok(true)
+    }
+
+    /// [`Reader::value`] for a value that is usually an array of at most `cap` token ids: such
+    /// an array is read into `out` (cleared first) while it is stepped over, and `true` returned;
+    /// anything else is skipped as [`Reader::value`] does, `out` is left empty and `false`
+    /// returned. One pass over the ids instead of a skip now and a decode later.
+    pub(crate) fn value_u32s(
+        &mut self,
+        depth: usize,
+        cap: usize,
+        out: &mut Vec<u32>,
+    ) -> Result<(&'a [u8], bool), Malformed> {
+        let start = self.pos;
+        out.clear();
+        if let Ok(Head::Array(n)) = self.head() {
+            if usize::try_from(n).is_ok_and(|n| n <= cap) && self.u32s(n as usize, out)? {
+                return Ok((&self.buf[start..self.pos], true));
+            }
+            out.clear();
+        }
+        self.pos = start;
+        self.value(depth).map(|v| (v, false))
     }
 
     /// Skips one whole value (as [`Reader::skip`]) and returns its bytes.
@@ -394,5 +464,90 @@ mod tests {
         assert_eq!(Reader::new(&nested(5)).skip(4), Err(Malformed::TooDeep));
         // Scalars need no depth at all.
         assert_eq!(Reader::new(b"\x01").skip(0), Ok(()));
+    }
+
+    #[test]
+    fn token_ids_read_alike_in_every_integer_encoding() {
+        let mut values: Vec<i64> = vec![0, 1, 127, 128, 255, 256, 65_535, 65_536];
+        values.extend([i64::from(u32::MAX), i64::from(u32::MAX) + 1, -1, -200]);
+        for v in values {
+            let mut encodings: Vec<Vec<u8>> = Vec::new();
+            if let Ok(u) = u64::try_from(v) {
+                let mut b = Vec::new();
+                rmp::encode::write_uint(&mut b, u).unwrap();
+                encodings.push(b);
+                let mut b = vec![0xcf];
+                b.extend_from_slice(&u.to_be_bytes());
+                encodings.push(b);
+            }
+            let mut b = Vec::new();
+            rmp::encode::write_sint(&mut b, v).unwrap();
+            encodings.push(b);
+            let mut b = vec![0xd3];
+            b.extend_from_slice(&v.to_be_bytes());
+            encodings.push(b);
+            for enc in encodings {
+                // The generic reader decides what is a token id; `u32s` must agree.
+                let want = match Reader::new(&enc).head() {
+                    Ok(Head::Uint(u)) => u32::try_from(u).ok(),
+                    _ => None,
+                };
+                let mut bytes = enc.repeat(3);
+                bytes.push(0xc0);
+                let mut rd = Reader::new(&bytes);
+                let mut out = Vec::new();
+                let ok = rd.u32s(3, &mut out).unwrap();
+                assert_eq!(ok, want.is_some(), "{v} as {enc:02x?}");
+                if let Some(w) = want {
+                    assert_eq!(out, [w; 3]);
+                    assert_eq!(rd.head(), Ok(Head::Nil), "the reader ends after the 3 ids");
+                }
+                // Cut anywhere inside the ids: an error, never a panic or a short read.
+                for cut in 0..enc.len() * 3 {
+                    if want.is_some() {
+                        let mut out = Vec::new();
+                        assert!(Reader::new(&bytes[..cut]).u32s(3, &mut out).is_err());
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn runs_of_fixed_size_values_skip_like_single_values() {
+        // [1, 300, nil, "ab", [7, 70000], 2.5] and every truncation of it.
+        let bytes =
+            b"\x96\x01\xcd\x01\x2c\xc0\xa2ab\x92\x07\xce\x00\x01\x11\x70\xcb\x40\x04\0\0\0\0\0\0";
+        assert_eq!(Reader::new(bytes).value(4), Ok(&bytes[..]));
+        for cut in 1..bytes.len() {
+            assert!(Reader::new(&bytes[..cut]).skip(4).is_err(), "cut at {cut}");
+        }
+    }
+
+    #[test]
+    fn values_that_hold_token_ids_are_read_while_skipped() {
+        let mut out = vec![9];
+        // [1, 300, 70000] then nil.
+        let ids = b"\x93\x01\xcd\x01\x2c\xce\x00\x01\x11\x70\xc0";
+        let mut rd = Reader::new(ids);
+        assert_eq!(rd.value_u32s(4, 3, &mut out), Ok((&ids[..10], true)));
+        assert_eq!(out, [1, 300, 70_000]);
+        assert_eq!(rd.head(), Ok(Head::Nil));
+        // Over the cap, not all ids, or no array: skipped like `value`, nothing read.
+        for (bytes, cap) in [
+            (&ids[..], 2),
+            (&b"\x92\x01\xa1x\xc0"[..], 3),
+            (&b"\x92\x01\xd0\xff\xc0"[..], 3),
+            (&b"\x81\x01\x02\xc0"[..], 3),
+            (&b"\xc0\xc0"[..], 3),
+        ] {
+            let want = Reader::new(bytes).value(4);
+            let mut rd = Reader::new(bytes);
+            assert_eq!(rd.value_u32s(4, cap, &mut out), want.map(|v| (v, false)));
+            assert!(out.is_empty());
+            assert_eq!(rd.head(), Ok(Head::Nil));
+        }
+        // Truncated: an error, as `value` gives.
+        assert!(Reader::new(&ids[..7]).value_u32s(4, 3, &mut out).is_err());
     }
 }

@@ -240,8 +240,9 @@ impl Iterator for Events<'_> {
 
     fn next(&mut self) -> Option<Self::Item> {
         self.left = self.left.checked_sub(1)?;
-        Some(match split_event(&mut self.rd) {
-            Ok((tag, fields)) => decode_event(self.dialect, tag, &fields),
+        let mut tokens = Vec::new();
+        Some(match split_event(&mut self.rd, &mut tokens) {
+            Ok((tag, fields)) => decode_event(self.dialect, tag, &fields, tokens),
             Err(e) => {
                 // Unreachable after `decode_batch` validated the frame; stop rather than guess.
                 self.left = 0;
@@ -451,15 +452,27 @@ impl<'a> Fields<'a> {
 /// msgpack's `nil`.
 const NIL: u8 = 0xc0;
 
+/// Position of `token_ids` after the tag in every dialect's positional `BlockStored`.
+const TOKENS_POSITION: usize = 2;
+
 /// Reads one event (the reader ends after it, whatever it holds): its encoded tag, if it is a
-/// container that can have one, and the encoded values of the fields we read.
-fn split_event<'a>(rd: &mut Reader<'a>) -> Result<(Option<&'a [u8]>, Fields<'a>), Malformed> {
+/// container that can have one, and the encoded values of the fields we read. The value where a
+/// `BlockStored` keeps its token ids, when it is an array of them within the cap, is read into
+/// `tokens` on the way (see [`Reader::value_u32s`]); empty otherwise.
+fn split_event<'a>(
+    rd: &mut Reader<'a>,
+    tokens: &mut Vec<u32>,
+) -> Result<(Option<&'a [u8]>, Fields<'a>), Malformed> {
     match rd.head()? {
         Head::Array(n) if n > 0 => {
             let tag = rd.value(MAX_DEPTH)?;
             let mut by_pos = [None; POSITIONS];
             for i in 1..n as usize {
-                let v = rd.value(MAX_DEPTH)?;
+                let v = if i - 1 == TOKENS_POSITION {
+                    rd.value_u32s(MAX_DEPTH, MAX_TOKENS_PER_EVENT, tokens)?.0
+                } else {
+                    rd.value(MAX_DEPTH)?
+                };
                 if let Some(slot) = by_pos.get_mut(i - 1) {
                     *slot = Some(v);
                 }
@@ -469,10 +482,16 @@ fn split_event<'a>(rd: &mut Reader<'a>) -> Result<(Option<&'a [u8]>, Fields<'a>)
         Head::Map(n) => {
             let mut tag = None;
             let mut by_name = [None; KEYS.len()];
+            let mut tokens_seen = false;
             for _ in 0..n {
-                let key = rd.value(MAX_DEPTH)?;
-                let value = rd.value(MAX_DEPTH)?;
-                let Some(key) = str_of(key) else { continue };
+                let key = str_of(rd.value(MAX_DEPTH)?);
+                let value = if key == Some("token_ids") && !tokens_seen {
+                    tokens_seen = true;
+                    rd.value_u32s(MAX_DEPTH, MAX_TOKENS_PER_EVENT, tokens)?.0
+                } else {
+                    rd.value(MAX_DEPTH)?
+                };
+                let Some(key) = key else { continue };
                 if key == "type" {
                     tag.get_or_insert(value);
                 } else if let Some(i) = KEYS.iter().position(|k| *k == key) {
@@ -507,9 +526,10 @@ fn decode_event(
     dialect: Dialect,
     tag: Option<&[u8]>,
     fields: &Fields<'_>,
+    tokens: Vec<u32>,
 ) -> Result<Event, DecodeError> {
     match tag.and_then(str_of).ok_or(DecodeError::NoTag)? {
-        "BlockStored" => stored(dialect, fields).map(Event::Stored),
+        "BlockStored" => stored(dialect, fields, tokens).map(Event::Stored),
         "BlockRemoved" => {
             let e = "BlockRemoved";
             let order: &[&str] = match dialect {
@@ -529,7 +549,9 @@ fn decode_event(
     }
 }
 
-fn stored(dialect: Dialect, fields: &Fields<'_>) -> Result<Stored, DecodeError> {
+/// A `BlockStored` from its fields; `tokens`: its token ids if [`split_event`] read them already
+/// (empty: read them here).
+fn stored(dialect: Dialect, fields: &Fields<'_>, tokens: Vec<u32>) -> Result<Stored, DecodeError> {
     let e = "BlockStored";
     let bad = |field| DecodeError::Field { event: e, field };
     let order: &[&str] = match dialect {
@@ -541,18 +563,17 @@ fn stored(dialect: Dialect, fields: &Fields<'_>) -> Result<Stored, DecodeError> 
     let parent = f("parent_block_hash")
         .map(|v| hash(dialect, head_of(v)?.0).ok_or(bad("parent_block_hash")))
         .transpose()?;
-    let token_ids = {
+    let token_ids = if !tokens.is_empty() {
+        tokens
+    } else {
         let (head, mut rd) = head_of(f("token_ids").ok_or(bad("token_ids"))?)?;
         let Head::Array(n) = head else {
             return Err(bad("token_ids"));
         };
         let n = capped(n, MAX_TOKENS_PER_EVENT, "token_ids")?;
         let mut out = Vec::with_capacity(n);
-        for _ in 0..n {
-            match rd.head()? {
-                Head::Uint(t) => out.push(u32::try_from(t).map_err(|_| bad("token_ids"))?),
-                _ => return Err(bad("token_ids")),
-            }
+        if !rd.u32s(n, &mut out)? {
+            return Err(bad("token_ids"));
         }
         out
     };

@@ -5,7 +5,8 @@
 //! Why our own: every byte here comes from a pod the pool's selector matched. The general-purpose
 //! codec we used before reserved whatever a frame header claimed, so nine bytes claiming 2^40
 //! aborted the process. Here every length is checked against [`Limits`] *before* anything is
-//! allocated, a frame body grows only as its bytes arrive, the frames of one message are
+//! allocated, a frame body grows only as its bytes arrive (past a first 64 KiB reserved at
+//! once, so a typical batch is read without reallocating), the frames of one message are
 //! counted, a started message must finish within [`Limits::message_timeout`], and the greeting
 //! and handshake within [`Limits::handshake_timeout`]. A violation ends the connection with a
 //! [`ZmtpError`] whose [`ZmtpError::reason`] is the counter label; the caller reconnects with
@@ -31,6 +32,8 @@ const MORE: u8 = 0x01;
 const LONG: u8 = 0x02;
 /// Flag: a command frame.
 const COMMAND: u8 = 0x04;
+/// Most bytes of a frame body reserved before they arrive (the rest grows as they do).
+const BODY_RESERVE: u64 = 64 << 10;
 /// Largest command kv-epp reads (READY metadata, PING, ERROR); real ones are tens of bytes.
 const MAX_COMMAND_BYTES: u64 = 4096;
 
@@ -385,8 +388,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
         }
     }
 
-    /// Reads a body of `size` bytes after checking it against `limit`; the buffer grows with
-    /// what actually arrives, never with what was claimed.
+    /// Reads a body of `size` bytes after checking it against `limit`; past the first
+    /// [`BODY_RESERVE`] bytes the buffer grows with what actually arrives, never with what was
+    /// claimed.
     async fn read_body(&mut self, size: u64, limit: u64) -> Result<Vec<u8>, ZmtpError> {
         if size > limit {
             return Err(ZmtpError::Oversize {
@@ -394,7 +398,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
                 limit,
             });
         }
-        let mut body = Vec::new();
+        // Up to BODY_RESERVE at once: a typical batch then arrives without the reallocations
+        // (and copies) of growing from empty, which cost ~20% of the feed's instructions.
+        let mut body = Vec::with_capacity(size.min(BODY_RESERVE) as usize);
         let got = (&mut self.stream)
             .take(size)
             .read_to_end(&mut body)

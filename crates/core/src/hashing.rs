@@ -72,6 +72,11 @@ pub fn local_block_hashes(
     if block_size == 0 {
         return Vec::new();
     }
+    if block_size == 16 {
+        let keys = Block16::new(seed);
+        let (blocks, _) = tokens.as_chunks::<16>();
+        return blocks.iter().map(|b| keys.hash(b)).collect();
+    }
     tokens
         .chunks_exact(block_size)
         .map(|block| hash_block(block, seed))
@@ -80,9 +85,77 @@ pub fn local_block_hashes(
 
 /// Local hash of one block (any length; callers pass complete blocks).
 pub fn hash_block(block: &[u32], seed: HashSeed) -> LocalBlockHash {
+    if let Ok(block) = <&[u32; 16]>::try_from(block) {
+        return Block16::new(seed).hash(block);
+    }
     LocalBlockHash(with_le_bytes(block, |bytes| {
         xxh3_64_with_seed(bytes, seed.0)
     }))
+}
+
+/// XXH3-64 of exactly 64 bytes (one block of 16 tokens) under one seed, written out.
+///
+/// Why not call `xxh3_64_with_seed`: that is a call per block that dispatches on the length and
+/// adds the seed to the secret every time. For 64 bytes XXH3 is four 16-byte mixes (one
+/// 64×64→128 multiply each) and the avalanche; here the seeded secret words are computed once per
+/// request ([`Block16::new`]) and the rest inlines into the caller's loop, so consecutive blocks
+/// overlap. The tokens are read in place as little-endian words (token `2i` in the low half of
+/// word `i`), which is the spec's byte layout on every target: no copy. The value is
+/// `xxh3_64_with_seed` of the 64 bytes, bit for bit (checked in the tests).
+#[derive(Clone, Copy)]
+struct Block16 {
+    /// `keys[i]`: what input word `i` is xored with (a secret word plus or minus the seed).
+    keys: [u64; 8],
+}
+
+/// Words 0..64 of XXH3's default secret (`kSecret`), as its 17–128-byte path reads them.
+const SECRET_WORDS: [u64; 8] = [
+    0xbe4b_a423_396c_feb8,
+    0x1cad_21f7_2c81_017c,
+    0xdb97_9083_e96d_d4de,
+    SECRET_24,
+    SECRET_32,
+    SECRET_40,
+    SECRET_48,
+    0x4c26_3a81_e690_35e0,
+];
+
+impl Block16 {
+    /// The seeded keys. XXH3 for 64 bytes mixes input bytes 0..16 with secret 0..16, 16..32
+    /// with 32..48, 32..48 with 48..64 and 48..64 with 16..32; the low word of each pair gets
+    /// `secret + seed`, the high word `secret - seed`.
+    #[inline(always)]
+    fn new(seed: HashSeed) -> Block16 {
+        let s = seed.0;
+        let lo = |i: usize| SECRET_WORDS[i].wrapping_add(s);
+        let hi = |i: usize| SECRET_WORDS[i].wrapping_sub(s);
+        Block16 {
+            keys: [lo(0), hi(1), lo(4), hi(5), lo(6), hi(7), lo(2), hi(3)],
+        }
+    }
+
+    #[inline(always)]
+    fn hash(&self, t: &[u32; 16]) -> LocalBlockHash {
+        /// XXH3's `PRIME64_1` times the input length, 64.
+        const LEN_TERM: u64 = 0x9e37_79b1_85eb_ca87u64.wrapping_mul(64);
+        let word = |i: usize| u64::from(t[2 * i]) | (u64::from(t[2 * i + 1]) << 32);
+        let mix = |i: usize| {
+            let p = u128::from(word(i) ^ self.keys[i]) * u128::from(word(i + 1) ^ self.keys[i + 1]);
+            (p as u64) ^ ((p >> 64) as u64)
+        };
+        let acc = LEN_TERM
+            .wrapping_add(mix(0))
+            .wrapping_add(mix(2))
+            .wrapping_add(mix(4).wrapping_add(mix(6)));
+        LocalBlockHash(avalanche(acc))
+    }
+}
+
+/// XXH3's avalanche.
+#[inline(always)]
+fn avalanche(acc: u64) -> u64 {
+    let h = (acc ^ (acc >> 37)).wrapping_mul(0x1656_6791_9e37_79f9);
+    h ^ (h >> 32)
 }
 
 /// The chained hash of a prefix whose previous prefix hash is `parent`:
@@ -134,10 +207,7 @@ impl Chainer {
         let product = u128::from(lo) * u128::from(self.hi);
         let folded = (product as u64) ^ ((product >> 64) as u64);
         let acc = self.base.wrapping_add(lo.swap_bytes()).wrapping_add(folded);
-        // XXH3's avalanche.
-        let mut h = acc ^ (acc >> 37);
-        h = h.wrapping_mul(0x1656_6791_9e37_79f9);
-        SequenceHash(h ^ (h >> 32))
+        SequenceHash(avalanche(acc))
     }
 }
 
@@ -183,27 +253,76 @@ pub fn prompt_hashes(
     if block_size == 0 {
         return (Vec::new(), Vec::new());
     }
-    // One pass, software-pipelined: block i+1's local hash (independent of every other block)
-    // is computed before block i's chain step (serial), so the two overlap; outputs are written
-    // in place, so the loop carries no capacity checks.
-    let n = tokens.len() / block_size;
+    if block_size == 16 {
+        return chained_16(tokens.as_chunks::<16>().0, Block16::new(seed));
+    }
+    chained(tokens.chunks_exact(block_size), |b| {
+        LocalBlockHash(with_le_bytes(b, |bytes| xxh3_64_with_seed(bytes, seed.0)))
+    })
+}
+
+/// [`chained`] for blocks of 16 tokens, four blocks at a time: the four local hashes (sixteen
+/// independent multiplies) are written out before the four serial chain steps, so the CPU
+/// overlaps one group's chain with the next group's local hashes with few registers live.
+/// Measured (`make bench`, core): about 0.8x of raw XXH3 over the same bytes, against 0.7x for
+/// block-by-block interleaving.
+fn chained_16(blocks: &[[u32; 16]], keys: Block16) -> (Vec<LocalBlockHash>, Vec<SequenceHash>) {
+    const K: usize = 4;
+    let n = blocks.len();
     let mut locals = vec![LocalBlockHash(0); n];
     let mut seqs = vec![SequenceHash(0); n];
-    let mut blocks = tokens.chunks_exact(block_size);
+    let Some((first, rest)) = blocks.split_first() else {
+        return (locals, seqs);
+    };
+    let local = keys.hash(first);
+    locals[0] = local;
+    let mut prev = SequenceHash(local.0);
+    seqs[0] = prev;
+    let (groups, tail) = rest.as_chunks::<K>();
+    let (local_groups, local_tail) = locals[1..].as_chunks_mut::<K>();
+    let (seq_groups, seq_tail) = seqs[1..].as_chunks_mut::<K>();
+    for ((group, ls), ss) in groups.iter().zip(local_groups).zip(seq_groups) {
+        for (l, b) in ls.iter_mut().zip(group) {
+            *l = keys.hash(b);
+        }
+        for (s, l) in ss.iter_mut().zip(ls.iter()) {
+            prev = Chainer::new(*l).after(prev);
+            *s = prev;
+        }
+    }
+    for ((b, l), s) in tail.iter().zip(local_tail).zip(seq_tail) {
+        *l = keys.hash(b);
+        prev = Chainer::new(*l).after(prev);
+        *s = prev;
+    }
+    (locals, seqs)
+}
+
+/// Local and sequence hashes of `blocks`, in one pass: each block's local hash (independent of
+/// every other block) overlaps the previous block's chain step (serial) in the CPU's pipeline;
+/// outputs are written in place, so the loop carries no capacity checks.
+#[inline(always)]
+fn chained<B>(
+    blocks: impl ExactSizeIterator<Item = B>,
+    hash: impl Fn(B) -> LocalBlockHash,
+) -> (Vec<LocalBlockHash>, Vec<SequenceHash>) {
+    let n = blocks.len();
+    let mut locals = vec![LocalBlockHash(0); n];
+    let mut seqs = vec![SequenceHash(0); n];
+    let mut blocks = blocks;
     let Some(first) = blocks.next() else {
         return (locals, seqs);
     };
-    let mut local = hash_block(first, seed);
+    let local = hash(first);
+    locals[0] = local;
     let mut prev = SequenceHash(local.0);
-    for ((block, l), s) in blocks.zip(locals.iter_mut()).zip(seqs.iter_mut()) {
-        let next = hash_block(block, seed);
+    seqs[0] = prev;
+    for ((block, l), s) in blocks.zip(&mut locals[1..]).zip(&mut seqs[1..]) {
+        let local = hash(block);
         *l = local;
+        prev = Chainer::new(local).after(prev);
         *s = prev;
-        prev = Chainer::new(next).after(prev);
-        local = next;
     }
-    locals[n - 1] = local;
-    seqs[n - 1] = prev;
     (locals, seqs)
 }
 
@@ -394,6 +513,72 @@ mod tests {
                 xxh3_64_with_seed(&buf, BASE_SEED),
                 "parent {parent:#x} local {local:#x}"
             );
+        }
+    }
+
+    #[test]
+    fn the_written_out_16_token_block_is_xxh3_of_its_64_bytes() {
+        let mut x = 0x0f1e_2d3c_4b5a_6978u64;
+        let mut next = || {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            x ^ (x >> 29)
+        };
+        for i in 0..100_000 {
+            let seed = match i {
+                0 => 0,
+                1 => u64::MAX,
+                2 => BASE_SEED,
+                _ => next(),
+            };
+            let mut block = [0u32; 16];
+            for t in &mut block {
+                *t = match i {
+                    0 => 0,
+                    1 => u32::MAX,
+                    _ => next() as u32,
+                };
+            }
+            let bytes: Vec<u8> = block.iter().flat_map(|t| t.to_le_bytes()).collect();
+            let want = xxh3_64_with_seed(&bytes, seed);
+            assert_eq!(
+                Block16::new(HashSeed(seed)).hash(&block).0,
+                want,
+                "seed {seed:#x}"
+            );
+            assert_eq!(hash_block(&block, HashSeed(seed)).0, want);
+        }
+    }
+
+    #[test]
+    fn the_16_token_path_equals_the_generic_one() {
+        let mut x = 7u64;
+        let tokens: Vec<u32> = (0..16 * 40 + 5)
+            .map(|_| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+                (x >> 33) as u32
+            })
+            .collect();
+        let seed = HashSeed::new(Some("lora"), Some("tenant"));
+        let generic: Vec<LocalBlockHash> = tokens
+            .chunks_exact(16)
+            .map(|b| LocalBlockHash(xxh3_64_with_seed(&with_le_bytes(b, <[u8]>::to_vec), seed.0)))
+            .collect();
+        let mut want = vec![SequenceHash(generic[0].0)];
+        for l in &generic[1..] {
+            let mut buf = [0u8; 16];
+            buf[..8].copy_from_slice(&want.last().unwrap().0.to_le_bytes());
+            buf[8..].copy_from_slice(&l.0.to_le_bytes());
+            want.push(SequenceHash(xxh3_64_with_seed(&buf, BASE_SEED)));
+        }
+        // Every length, so each group-of-four tail shape is covered.
+        for blocks in 0..=generic.len() {
+            let prompt = &tokens[..blocks * 16 + 5.min(tokens.len() - blocks * 16)];
+            let (locals, seqs) = prompt_hashes(prompt, 16, seed);
+            assert_eq!(locals, generic[..blocks]);
+            assert_eq!(seqs, want[..blocks]);
+            assert_eq!(local_block_hashes(prompt, 16, seed), generic[..blocks]);
         }
     }
 

@@ -12,12 +12,10 @@
 mod common;
 
 use std::collections::HashMap;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::replicas::{
-    Cutter, DrainEngine, Replica, check_drains, converge, ports, round, wait_poller,
+    Cutter, DrainEngine, Pusher, Replica, check_drains, converge, ports, round, wait_poller,
     wait_poller_among,
 };
 
@@ -65,18 +63,7 @@ async fn faults_never_split_a_drain_nor_strand_an_engine() {
     for r in &rs {
         r.wait_ready(30).await;
     }
-    let pushing = Arc::new(AtomicBool::new(true));
-    let pusher = {
-        let (engines, pushing) = (engines.clone(), pushing.clone());
-        tokio::spawn(async move {
-            let mut next = 1_000_000u64;
-            while pushing.load(Ordering::SeqCst) {
-                round(&engines, &mut next);
-                tokio::time::sleep(Duration::from_millis(60)).await;
-            }
-            next
-        })
-    };
+    let pusher = Pusher::start(&engines);
     let started = Instant::now();
     for e in &engines {
         wait_poller(e, &names, 15).await;
@@ -160,8 +147,7 @@ async fn faults_never_split_a_drain_nor_strand_an_engine() {
     rs.push(d);
     tokio::time::sleep(FAULT).await;
 
-    pushing.store(false, Ordering::SeqCst);
-    let mut next = pusher.await.unwrap();
+    let mut next = pusher.stop().await;
     assert!(common::eventually(10, || engines.iter().all(DrainEngine::is_drained)).await);
 
     let bound = PROBE * TAKEOVER_INTERVALS;

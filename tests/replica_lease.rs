@@ -22,12 +22,10 @@ mod common;
 mod kube_api;
 
 use std::collections::HashMap;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::replicas::{
-    Cutter, DrainEngine, Replica, check_drains, converge, ports, recent_poller, round,
+    Cutter, DrainEngine, Pusher, Replica, check_drains, converge, ports, recent_poller, round,
     wait_poller_among,
 };
 use kube_api::{FakeKube, Res};
@@ -144,18 +142,7 @@ async fn a_lease_gives_every_drain_one_owner_through_partitions_pauses_kills_and
     for r in &rs {
         r.wait_ready(30).await;
     }
-    let pushing = Arc::new(AtomicBool::new(true));
-    let pusher = {
-        let (engines, pushing) = (engines.clone(), pushing.clone());
-        tokio::spawn(async move {
-            let mut next = 1_000_000u64;
-            while pushing.load(Ordering::SeqCst) {
-                round(&engines, &mut next);
-                tokio::time::sleep(Duration::from_millis(60)).await;
-            }
-            next
-        })
-    };
+    let pusher = Pusher::start(&engines);
     let started = Instant::now();
 
     // 1. One holder drains every engine, and every replica names it.
@@ -346,8 +333,7 @@ async fn a_lease_gives_every_drain_one_owner_through_partitions_pauses_kills_and
         exited_at.elapsed()
     );
 
-    pushing.store(false, Ordering::SeqCst);
-    let mut next = pusher.await.unwrap();
+    let mut next = pusher.stop().await;
     assert!(common::eventually(10, || engines.iter().all(DrainEngine::is_drained)).await);
 
     let bound = takeover_bound();

@@ -387,6 +387,34 @@ pub fn round(engines: &[DrainEngine; 2], next: &mut u64) -> u64 {
     blocks
 }
 
+/// Keeps both engines busy: a `round` every 60 ms until `stop`, which returns the next event id
+/// (so a final round after the faults continues the sequence).
+pub struct Pusher {
+    on: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<u64>,
+}
+
+impl Pusher {
+    pub fn start(engines: &[DrainEngine; 2]) -> Pusher {
+        let on = Arc::new(AtomicBool::new(true));
+        let (engines, flag) = (engines.clone(), on.clone());
+        let task = tokio::spawn(async move {
+            let mut next = 1_000_000u64;
+            while flag.load(Ordering::SeqCst) {
+                round(&engines, &mut next);
+                tokio::time::sleep(Duration::from_millis(60)).await;
+            }
+            next
+        });
+        Pusher { on, task }
+    }
+
+    pub async fn stop(self) -> u64 {
+        self.on.store(false, Ordering::SeqCst);
+        self.task.await.expect("the pusher task ended")
+    }
+}
+
 /// The process among `pids` holding the loopback TCP socket from `client_port` to
 /// `server_port` (Linux `/proc`: the socket's inode in `/proc/net/tcp`, then whose fd it is).
 fn socket_owner(client_port: u16, server_port: u16, pids: &[u32]) -> Option<u32> {

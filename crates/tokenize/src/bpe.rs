@@ -30,6 +30,7 @@ use parking_lot::Mutex;
 use serde_json::Value;
 use tokenizers::Tokenizer;
 
+use super::model::MAX_WORD_BYTES;
 use super::pretok::{Pattern, Step, words};
 
 /// A multiply-rotate hasher for the merge table's `u64` keys (pairs of ids).
@@ -183,9 +184,15 @@ struct Scratch {
     heap: BinaryHeap<std::cmp::Reverse<(u32, u32, u32)>>,
 }
 
-/// Why [`FastBpe::encode`] left a text to the `tokenizers` crate.
+/// Why [`FastBpe::encode`] did not encode a text.
 #[derive(Debug, PartialEq, Eq)]
-pub(crate) struct NotHandled;
+pub(crate) enum NotHandled {
+    /// The normalizer could change the text: it is left to the `tokenizers` crate.
+    Normalizer,
+    /// A word of this many bytes, over [`MAX_WORD_BYTES`]: nobody encodes it (what was
+    /// appended to `out` before it was met is to be discarded).
+    LongWord(usize),
+}
 
 /// The encoder of one tokenizer (see the module doc).
 pub(crate) struct FastBpe {
@@ -356,8 +363,9 @@ impl FastBpe {
     }
 
     /// Appends the ids of `text` (no post-processor) to `out`, stopping once `out` holds more
-    /// than `limit` ids. `Err(NotHandled)` (before anything is appended) for a text the
-    /// normalizer could change.
+    /// than `limit` ids. `Err(NotHandled::Normalizer)` (before anything is appended) for a text
+    /// the normalizer could change; `Err(NotHandled::LongWord)` at a word over
+    /// [`MAX_WORD_BYTES`], before any working memory is allocated for it.
     pub(crate) fn encode(
         &self,
         text: &str,
@@ -369,9 +377,10 @@ impl FastBpe {
             && unicode_normalization_alignments::is_nfc_quick(text.chars())
                 != unicode_normalization_alignments::IsNormalized::Yes
         {
-            return Err(NotHandled);
+            return Err(NotHandled::Normalizer);
         }
         let mut scratch = Scratch::default();
+        let mut long = None;
         self.split_added(self.raw.as_ref(), text, out, limit, &mut |piece, out| {
             self.split_added(
                 self.normalized.as_ref(),
@@ -380,13 +389,49 @@ impl FastBpe {
                 limit,
                 &mut |piece, out| {
                     words(&self.steps, piece, &mut |word| {
+                        if word.len() > MAX_WORD_BYTES {
+                            long = Some(word.len());
+                            return false;
+                        }
                         self.word(word.as_bytes(), out, &mut scratch);
                         out.len() <= limit
                     })
                 },
             )
         });
-        Ok(())
+        match long {
+            Some(bytes) => Err(NotHandled::LongWord(bytes)),
+            None => Ok(()),
+        }
+    }
+
+    /// The length in bytes of the longest word of `text`, as [`FastBpe::encode`] cuts it
+    /// (before normalization): what the `tokenizers` crate would merge in one piece, when a
+    /// text is left to it. One pass, nothing allocated but added-token ids.
+    pub(crate) fn longest_word(&self, text: &str) -> usize {
+        let mut longest = 0;
+        let mut added = Vec::new();
+        self.split_added(
+            self.raw.as_ref(),
+            text,
+            &mut added,
+            usize::MAX,
+            &mut |piece, added| {
+                self.split_added(
+                    self.normalized.as_ref(),
+                    piece,
+                    added,
+                    usize::MAX,
+                    &mut |piece, _| {
+                        words(&self.steps, piece, &mut |word| {
+                            longest = longest.max(word.len());
+                            true
+                        })
+                    },
+                )
+            },
+        );
+        longest
     }
 
     /// `AddedVocabulary::find_matches`: added-token ids for matches, `gap` for the text between.
@@ -634,7 +679,8 @@ mod tests {
             let mut ours = Vec::new();
             match fast.encode(text, &mut ours, usize::MAX) {
                 Ok(()) => prop_assert_eq!(&ours, &reference(tok, text), "{} on {:?}", name, text),
-                Err(NotHandled) => prop_assert!(
+                Err(NotHandled::LongWord(n)) => prop_assert!(false, "{name}: a word of {n} bytes"),
+                Err(NotHandled::Normalizer) => prop_assert!(
                     fast.nfc
                         && unicode_normalization_alignments::is_nfc_quick(text.chars())
                             != unicode_normalization_alignments::IsNormalized::Yes,
@@ -803,6 +849,27 @@ mod tests {
             &"😀".repeat(500),
         ] {
             check(text).unwrap();
+        }
+    }
+
+    /// A word over the limit stops the encoding before it is merged; `longest_word` measures
+    /// the words `encode` cuts.
+    #[test]
+    fn a_word_over_the_limit_is_not_merged() {
+        let over = format!("hi\n{}\nbye", "a".repeat(MAX_WORD_BYTES + 1));
+        let spaces = format!("hi{}", " ".repeat(MAX_WORD_BYTES + 1));
+        for (name, _, fast) in encoders() {
+            for text in [&over, &spaces] {
+                let mut out = Vec::new();
+                match fast.encode(text, &mut out, usize::MAX) {
+                    Err(NotHandled::LongWord(n)) => {
+                        assert!(n > MAX_WORD_BYTES, "{name}");
+                        assert_eq!(fast.longest_word(text), n, "{name}");
+                    }
+                    other => panic!("{name}: {other:?}"),
+                }
+            }
+            assert_eq!(fast.longest_word("hi\nthere"), "there".len(), "{name}");
         }
     }
 

@@ -16,7 +16,7 @@ use minijinja::Value;
 use serde_json::Value as JsonValue;
 use tokenizers::Tokenizer;
 
-use super::bpe::FastBpe;
+use super::bpe::{FastBpe, NotHandled};
 use super::error::{LoadError, TokenizeError, Unrenderable};
 use super::floor::TokenFloor;
 use super::json::Json;
@@ -27,6 +27,37 @@ use super::vllm::{developer_as_system, filter_template_kwargs};
 
 /// Default budget of the segment cache, in tokens (about 16 MiB of ids).
 pub const DEFAULT_SEGMENT_CACHE_TOKENS: usize = 4 << 20;
+
+/// The longest pre-tokenizer word (a piece of text with no split point) kv-epp encodes, in
+/// bytes. BPE merges a word as a whole, with working memory proportional to its length (~24-32
+/// bytes per byte of the word, ours and the `tokenizers` crate's alike) and no exact way to cut
+/// it, so a longer word makes the request unrenderable ([`TokenizeError::WordTooLong`], reason
+/// `long_word`: routed on load alone, or refused under `routing.unrenderable: reject`), found
+/// before that memory is allocated. Natural text stays far below: prose and code words are
+/// tens of bytes; base64, hex and URLs are cut at every digit or punctuation run by the
+/// GPT-2-style regexes; a CJK paragraph without punctuation is a few KiB; a whitespace run of
+/// indentation or padding a few hundred bytes; the longest protein sequence (titin, ~34,000
+/// residues) pasted on one line is 34 KB. At the limit a word's working memory is ~2 MiB.
+pub const MAX_WORD_BYTES: usize = 64 << 10;
+
+/// The longest run of whitespace or of non-whitespace characters in `text`, in bytes: an upper
+/// bound on the words of a pre-tokenizer that splits at least where whitespace starts or ends
+/// (what the `tokenizers` crate's `Whitespace`, `WhitespaceSplit`, `Metaspace`, `ByteLevel`
+/// and GPT-2-style `Split` regexes all do).
+fn longest_run(text: &str) -> usize {
+    let mut longest = 0;
+    let mut start = 0;
+    let mut space = None;
+    for (i, c) in text.char_indices() {
+        let is_space = c.is_whitespace();
+        if space != Some(is_space) {
+            longest = longest.max(i - start);
+            start = i;
+            space = Some(is_space);
+        }
+    }
+    longest.max(text.len() - start)
+}
 
 /// The special-token attributes transformers 5 passes to every template render, in order.
 const SPECIAL_TOKEN_ATTRIBUTES: [&str; 7] = [
@@ -459,13 +490,35 @@ impl ModelTokenizer {
         limit: usize,
         out: &mut Vec<u32>,
     ) -> Result<(), TokenizeError> {
+        let too_long = |bytes: usize| TokenizeError::WordTooLong {
+            bytes,
+            max: MAX_WORD_BYTES,
+        };
         if let (Some(fast), false) = (&self.fast, add_special_tokens) {
             // About a token per 4 bytes of prose: one allocation for most texts.
             out.reserve(text.len() / 4 + 1);
             let start = out.len();
-            if fast.encode(text, out, limit.saturating_add(start)).is_ok() {
-                return Ok(());
+            match fast.encode(text, out, limit.saturating_add(start)) {
+                Ok(()) => return Ok(()),
+                Err(NotHandled::LongWord(bytes)) => {
+                    out.truncate(start);
+                    return Err(too_long(bytes));
+                }
+                Err(NotHandled::Normalizer) => {}
             }
+        }
+        // The crate merges each word whole too: no word over the limit goes to it. Its words
+        // are ours when our encoder recognises the configuration (measured before NFC, which
+        // changes a length by a few bytes at most); otherwise bounded by the whitespace runs,
+        // unless the tokenizer has no pre-tokenizer at all (then its "word" is the whole text,
+        // and nothing can be said of its working memory from the text).
+        let longest = match &self.fast {
+            Some(fast) => fast.longest_word(text),
+            None if self.tokenizer.get_pre_tokenizer().is_some() => longest_run(text),
+            None => 0,
+        };
+        if longest > MAX_WORD_BYTES {
+            return Err(too_long(longest));
         }
         let encoding = self
             .tokenizer
@@ -648,6 +701,45 @@ mod tests {
             Prompt::Chat(chat) => model.render_chat(&chat),
             _ => unreachable!(),
         }
+    }
+
+    /// A word over [`MAX_WORD_BYTES`] is refused on both paths, ours and the crate's, and one
+    /// at the limit is encoded, the same by both.
+    #[test]
+    fn a_word_over_the_limit_is_not_tokenized() {
+        let fixtures = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/fixtures/tokenizer/small-bpe"
+        );
+        let ours = ModelTokenizer::load(&TokenizerFiles::in_dir(fixtures)).unwrap();
+        assert!(ours.uses_own_encoder());
+        let crate_only = ModelTokenizer {
+            fast: None,
+            ..ModelTokenizer::load(&TokenizerFiles::in_dir(fixtures)).unwrap()
+        };
+        let over = format!("hello\n{}\nbye", "a".repeat(MAX_WORD_BYTES + 1));
+        let spaces = format!("hello{}", " ".repeat(MAX_WORD_BYTES + 2));
+        let at = format!("hello\n{}", "b".repeat(MAX_WORD_BYTES));
+        for model in [&ours, &crate_only] {
+            for text in [&over, &spaces] {
+                for special in [false, true] {
+                    match model.encode(text, special) {
+                        Err(e @ TokenizeError::WordTooLong { bytes, max }) => {
+                            assert!(bytes > MAX_WORD_BYTES && max == MAX_WORD_BYTES);
+                            assert_eq!(e.unrenderable(), Some(Unrenderable::LongWord));
+                            assert!(e.is_client_error());
+                        }
+                        other => panic!("{:?}", other.map(|ids| ids.len())),
+                    }
+                }
+            }
+        }
+        let ids = ours.encode(&at, false).unwrap();
+        assert_eq!(ids, crate_only.encode(&at, false).unwrap());
+        assert_eq!(ids, ours.encode_with_tokenizers_crate(&at, false).unwrap());
+        assert_eq!(longest_run("ab  c\n\n\nd"), 3);
+        assert_eq!(longest_run(""), 0);
+        assert_eq!(longest_run("東京"), 6);
     }
 
     #[test]

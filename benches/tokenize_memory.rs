@@ -15,7 +15,7 @@
 //! (time and memory until refusal). A 1 MiB word without any split point is over
 //! `MAX_WORD_BYTES`: not tokenized (routed on load, reason `long_word`), held to the goal; one
 //! word at the limit is tokenized, its memory bounded by the limit (BPE merges a word as a
-//! whole: ~24-32 bytes per byte of it) and held to `WORD_BOUND` bytes per byte of the limit.
+//! whole: ~20-30 bytes per byte of it) and held to `WORD_BOUND` bytes per byte of the limit.
 //!
 //! Under `cargo test --all-targets` it runs a 32 KiB prose body, a 32 KiB CJK body, the two
 //! one-word bodies and a 1 MiB body refused at a 128k-token limit only (held to the same goals).
@@ -198,7 +198,7 @@ fn main() {
                 ms
             );
         }
-        // One word without any split point: BPE merges a word whole (~24-32 bytes of working
+        // One word without any split point: BPE merges a word whole (~20-30 bytes of working
         // memory per byte of it, no exact cut), so a word over MAX_WORD_BYTES is not tokenized
         // (routed on load, reason long_word), found before that memory is allocated: held to
         // the goal. A word at the limit is tokenized: its working memory is bounded by the

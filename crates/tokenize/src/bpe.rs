@@ -178,10 +178,11 @@ impl WordCache {
 #[derive(Default)]
 struct Scratch {
     /// Per symbol: id (`u32::MAX` once merged into its left neighbour), previous, next
-    /// (`u32::MAX` = none): 12 bytes per byte of the word, plus the heap's 12 per pair.
+    /// (`u32::MAX` = none): 12 bytes per byte of the word, plus the heap's 8 per pending merge.
     symbols: Vec<(u32, u32, u32)>,
-    /// Pending merges: (rank, position, new id), lowest rank then leftmost first.
-    heap: BinaryHeap<std::cmp::Reverse<(u32, u32, u32)>>,
+    /// Pending merges: `rank << 32 | position`, lowest rank then leftmost first (the merged id
+    /// is `FastBpe::merged[rank]`).
+    heap: BinaryHeap<std::cmp::Reverse<u64>>,
 }
 
 /// Why [`FastBpe::encode`] did not encode a text.
@@ -204,6 +205,9 @@ pub(crate) struct FastBpe {
     byte_ids: [u32; 256],
     /// `(left << 32 | right)` → (rank, merged id).
     merges: PairMap<(u32, u32)>,
+    /// Rank → merged id (a line of the merges list; a pair listed twice keeps its last rank in
+    /// `merges`, as in the crate).
+    merged: Vec<u32>,
     /// The vocabulary by bytes, when `ignore_merges` is set.
     whole_words: Option<HashMap<Vec<u8>, u32>>,
     cache: WordCache,
@@ -302,6 +306,7 @@ impl FastBpe {
                 .filter(|&i| i != u32::MAX)
         };
         let mut merges = PairMap::default();
+        let mut merged_by_rank = Vec::new();
         for (rank, pair) in model["merges"].as_array()?.iter().enumerate() {
             let (a, b) = match pair {
                 Value::Array(ab) if ab.len() == 2 => (ab[0].as_str()?, ab[1].as_str()?),
@@ -311,6 +316,7 @@ impl FastBpe {
             let merged = id_of(&format!("{a}{b}"))?;
             let key = u64::from(id_of(a)?) << 32 | u64::from(id_of(b)?);
             merges.insert(key, (u32::try_from(rank).ok()?, merged));
+            merged_by_rank.push(merged);
         }
         let whole_words = (model["ignore_merges"] == true).then(|| {
             let byte_of: HashMap<char, u8> = chars
@@ -357,6 +363,7 @@ impl FastBpe {
             steps,
             byte_ids,
             merges,
+            merged: merged_by_rank,
             whole_words,
             cache: WordCache::new(),
         })
@@ -511,12 +518,21 @@ impl FastBpe {
             )
         }));
         let pair = |a: u32, b: u32| u64::from(a) << 32 | u64::from(b);
-        for i in 0..symbols.len().saturating_sub(1) {
-            if let Some(&(rank, new_id)) = self.merges.get(&pair(symbols[i].0, symbols[i + 1].0)) {
-                heap.push(std::cmp::Reverse((rank, i as u32, new_id)));
-            }
-        }
-        while let Some(std::cmp::Reverse((_, pos, new_id))) = heap.pop() {
+        let entry = |rank: u32, pos: u32| std::cmp::Reverse(u64::from(rank) << 32 | u64::from(pos));
+        // The initial merges in one allocation of their exact number (counted first), heapified
+        // at once: pop order depends only on the keys, so it is the order of pushing them.
+        let initial = |i: usize| {
+            let &(rank, _) = self.merges.get(&pair(symbols[i].0, symbols[i + 1].0))?;
+            Some(entry(rank, i as u32))
+        };
+        let pairs = 0..symbols.len().saturating_sub(1);
+        let mut pending = std::mem::take(heap).into_vec();
+        pending.reserve_exact(pairs.clone().filter(|&i| initial(i).is_some()).count());
+        pending.extend(pairs.filter_map(initial));
+        *heap = BinaryHeap::from(pending);
+        while let Some(std::cmp::Reverse(top)) = heap.pop() {
+            let pos = top as u32;
+            let new_id = self.merged[(top >> 32) as usize];
             let p = pos as usize;
             let (left, prev, next) = symbols[p];
             if left == NONE || next == NONE {
@@ -532,15 +548,15 @@ impl FastBpe {
                 symbols[right.2 as usize].1 = pos;
             }
             if prev != NONE
-                && let Some(&(rank, id)) = self.merges.get(&pair(symbols[prev as usize].0, new_id))
+                && let Some(&(rank, _)) = self.merges.get(&pair(symbols[prev as usize].0, new_id))
             {
-                heap.push(std::cmp::Reverse((rank, prev, id)));
+                heap.push(entry(rank, prev));
             }
             if right.2 != NONE
-                && let Some(&(rank, id)) =
+                && let Some(&(rank, _)) =
                     self.merges.get(&pair(new_id, symbols[right.2 as usize].0))
             {
-                heap.push(std::cmp::Reverse((rank, pos, id)));
+                heap.push(entry(rank, pos));
             }
         }
         out.extend(symbols.iter().filter(|s| s.0 != NONE).map(|s| s.0));

@@ -29,15 +29,15 @@ use super::vllm::{developer_as_system, filter_template_kwargs};
 pub const DEFAULT_SEGMENT_CACHE_TOKENS: usize = 4 << 20;
 
 /// The longest pre-tokenizer word (a piece of text with no split point) kv-epp encodes, in
-/// bytes. BPE merges a word as a whole, with working memory proportional to its length (~24-32
-/// bytes per byte of the word, ours and the `tokenizers` crate's alike) and no exact way to cut
-/// it, so a longer word makes the request unrenderable ([`TokenizeError::WordTooLong`], reason
+/// bytes. BPE merges a word as a whole, with working memory proportional to its length (~20
+/// bytes per byte of the word in our encoder, more in the `tokenizers` crate) and no exact way to
+/// cut it, so a longer word makes the request unrenderable ([`TokenizeError::WordTooLong`], reason
 /// `long_word`: routed on load alone, or refused under `routing.unrenderable: reject`), found
 /// before that memory is allocated. Natural text stays far below: prose and code words are
 /// tens of bytes; base64, hex and URLs are cut at every digit or punctuation run by the
 /// GPT-2-style regexes; a CJK paragraph without punctuation is a few KiB; a whitespace run of
 /// indentation or padding a few hundred bytes; the longest protein sequence (titin, ~34,000
-/// residues) pasted on one line is 34 KB. At the limit a word's working memory is ~2 MiB.
+/// residues) pasted on one line is 34 KB. At the limit a word's working memory is ~1.2-2 MiB.
 pub const MAX_WORD_BYTES: usize = 64 << 10;
 
 /// The longest run of whitespace or of non-whitespace characters in `text`, in bytes: an upper

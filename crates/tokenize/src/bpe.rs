@@ -190,7 +190,7 @@ struct Scratch {
 pub(crate) enum NotHandled {
     /// The normalizer could change the text: it is left to the `tokenizers` crate.
     Normalizer,
-    /// A word of this many bytes, over [`MAX_WORD_BYTES`]: nobody encodes it (what was
+    /// A word of this many bytes, over the encoder's word limit: nobody encodes it (what was
     /// appended to `out` before it was met is to be discarded).
     LongWord(usize),
 }
@@ -211,6 +211,8 @@ pub(crate) struct FastBpe {
     /// The vocabulary by bytes, when `ignore_merges` is set.
     whole_words: Option<HashMap<Vec<u8>, u32>>,
     cache: WordCache,
+    /// The longest word encoded, in bytes.
+    max_word: usize,
 }
 
 impl std::fmt::Debug for FastBpe {
@@ -366,13 +368,15 @@ impl FastBpe {
             merged: merged_by_rank,
             whole_words,
             cache: WordCache::new(),
+            max_word: MAX_WORD_BYTES,
         })
     }
 
     /// Appends the ids of `text` (no post-processor) to `out`, stopping once `out` holds more
     /// than `limit` ids. `Err(NotHandled::Normalizer)` (before anything is appended) for a text
     /// the normalizer could change; `Err(NotHandled::LongWord)` at a word over
-    /// [`MAX_WORD_BYTES`], before any working memory is allocated for it.
+    /// the word limit ([`MAX_WORD_BYTES`] unless set), before any working memory is allocated
+    /// for it.
     pub(crate) fn encode(
         &self,
         text: &str,
@@ -396,7 +400,7 @@ impl FastBpe {
                 limit,
                 &mut |piece, out| {
                     words(&self.steps, piece, &mut |word| {
-                        if word.len() > MAX_WORD_BYTES {
+                        if word.len() > self.max_word {
                             long = Some(word.len());
                             return false;
                         }
@@ -410,6 +414,11 @@ impl FastBpe {
             Some(bytes) => Err(NotHandled::LongWord(bytes)),
             None => Ok(()),
         }
+    }
+
+    /// Sets the longest word encoded, in bytes.
+    pub(crate) fn set_max_word(&mut self, bytes: usize) {
+        self.max_word = bytes;
     }
 
     /// The length in bytes of the longest word of `text`, as [`FastBpe::encode`] cuts it

@@ -111,8 +111,8 @@ pub enum TokenizeError {
         /// The limit.
         max: usize,
     },
-    /// The text has a pre-tokenizer word (a piece with no split point) longer than
-    /// [`crate::model::MAX_WORD_BYTES`]: BPE merges a word as a whole, with working memory
+    /// The text has a pre-tokenizer word (a piece with no split point) longer than the model's
+    /// limit ([`crate::model::MAX_WORD_BYTES`] by default): BPE merges a word as a whole, with working memory
     /// proportional to its length, so kv-epp does not encode it (found before any of that memory
     /// is allocated).
     #[error(
@@ -167,7 +167,7 @@ pub enum Unrenderable {
     ResponsesInput,
     /// A `/v1/responses` tool other than a function tool.
     ResponsesTool,
-    /// A pre-tokenizer word longer than [`crate::model::MAX_WORD_BYTES`]
+    /// A pre-tokenizer word longer than the model's limit
     /// ([`TokenizeError::WordTooLong`]): its BPE working memory would exceed the tokenization
     /// memory bound.
     LongWord,

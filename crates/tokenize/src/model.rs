@@ -29,7 +29,8 @@ use super::vllm::{developer_as_system, filter_template_kwargs};
 pub const DEFAULT_SEGMENT_CACHE_TOKENS: usize = 4 << 20;
 
 /// The longest pre-tokenizer word (a piece of text with no split point) kv-epp encodes, in
-/// bytes. BPE merges a word as a whole, with working memory proportional to its length (~20
+/// bytes, by default ([`ModelTokenizer::set_max_word_bytes`]; the `max_word_bytes` setting of a
+/// model's tokenizer). BPE merges a word as a whole, with working memory proportional to its length (~20
 /// bytes per byte of the word in our encoder, more in the `tokenizers` crate) and no exact way to
 /// cut it, so a longer word makes the request unrenderable ([`TokenizeError::WordTooLong`], reason
 /// `long_word`: routed on load alone, or refused under `routing.unrenderable: reject`), found
@@ -118,6 +119,8 @@ pub struct ModelTokenizer {
     /// Our own encoder (`bpe.rs`), for the byte-level BPE configurations it reproduces exactly;
     /// `None`: the `tokenizers` crate encodes everything.
     fast: Option<FastBpe>,
+    /// The longest word encoded ([`MAX_WORD_BYTES`] by default).
+    max_word_bytes: usize,
 }
 
 impl std::fmt::Debug for ModelTokenizer {
@@ -267,7 +270,18 @@ impl ModelTokenizer {
             floor,
             specials,
             fast,
+            max_word_bytes: MAX_WORD_BYTES,
         })
+    }
+
+    /// Sets the longest pre-tokenizer word encoded, in bytes (at least 1); a text with a longer
+    /// one is [`TokenizeError::WordTooLong`]. Call at start, before sharing.
+    pub fn set_max_word_bytes(&mut self, bytes: usize) {
+        let bytes = bytes.max(1);
+        self.max_word_bytes = bytes;
+        if let Some(fast) = &mut self.fast {
+            fast.set_max_word(bytes);
+        }
     }
 
     /// Sets the segment cache budget in tokens (0 turns the cache off). Call at start, before
@@ -492,7 +506,7 @@ impl ModelTokenizer {
     ) -> Result<(), TokenizeError> {
         let too_long = |bytes: usize| TokenizeError::WordTooLong {
             bytes,
-            max: MAX_WORD_BYTES,
+            max: self.max_word_bytes,
         };
         if let (Some(fast), false) = (&self.fast, add_special_tokens) {
             // About a token per 4 bytes of prose: one allocation for most texts.
@@ -517,7 +531,7 @@ impl ModelTokenizer {
             None if self.tokenizer.get_pre_tokenizer().is_some() => longest_run(text),
             None => 0,
         };
-        if longest > MAX_WORD_BYTES {
+        if longest > self.max_word_bytes {
             return Err(too_long(longest));
         }
         let encoding = self
@@ -737,6 +751,15 @@ mod tests {
         let ids = ours.encode(&at, false).unwrap();
         assert_eq!(ids, crate_only.encode(&at, false).unwrap());
         assert_eq!(ids, ours.encode_with_tokenizers_crate(&at, false).unwrap());
+        for mut model in [ours, crate_only] {
+            // " three" is a word of 6 bytes for our encoder, a run of 5 for the crate's scan.
+            model.set_max_word_bytes(6);
+            assert!(model.encode("one two three", false).is_ok());
+            match model.encode("one two three\nfourteen", false) {
+                Err(TokenizeError::WordTooLong { bytes: 8, max: 6 }) => {}
+                other => panic!("{other:?}"),
+            }
+        }
         assert_eq!(longest_run("ab  c\n\n\nd"), 3);
         assert_eq!(longest_run(""), 0);
         assert_eq!(longest_run("東京"), 6);

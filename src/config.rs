@@ -408,6 +408,16 @@ pub struct TokenizerSource {
     /// Extra template variables set server-side (e.g. `date_string`).
     #[serde(default)]
     pub template_vars: std::collections::BTreeMap<String, String>,
+    /// The longest pre-tokenizer word (a piece with no split point) tokenized, in bytes (at
+    /// least 1); a prompt with a longer one is unrenderable (`long_word`). Default
+    /// `kv_epp_tokenize::model::MAX_WORD_BYTES` (64 KiB): BPE working memory is ~20 bytes per
+    /// byte of a word.
+    #[serde(default = "default_max_word_bytes")]
+    pub max_word_bytes: usize,
+}
+
+fn default_max_word_bytes() -> usize {
+    kv_epp_tokenize::model::MAX_WORD_BYTES
 }
 
 impl Config {
@@ -430,6 +440,13 @@ impl Config {
                     for (k, v) in &src.template_vars {
                         tok.set_template_var(k.clone(), v.clone());
                     }
+                    if src.max_word_bytes == 0 {
+                        return Err(ConfigError::Invalid(format!(
+                            "models[{i}].tokenizer.max_word_bytes ({}): must be at least 1",
+                            m.name
+                        )));
+                    }
+                    tok.set_max_word_bytes(src.max_word_bytes);
                     Some(Arc::new(tok))
                 }
             };

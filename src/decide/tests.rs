@@ -365,3 +365,35 @@ fn unrenderable_requests_route_on_load_or_are_refused_as_configured() {
     .unwrap();
     assert_eq!(d.request.unrenderable_reason(), Some("responses_input"));
 }
+
+/// `tokenizer.max_word_bytes`: a chat with a longer word is routed on load (`long_word`), or
+/// refused with 400 under `routing.unrenderable: reject`; shorter words are tokenized; 0 is
+/// refused at start.
+#[test]
+fn the_word_limit_is_a_model_setting() {
+    let fixtures = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokenizer");
+    let router = |policy: &str, max: usize| {
+        let yaml = format!(
+            "routing: {{unrenderable: {policy}}}
+models: [{{name: m, block_size: 4, tokenizer: {{path: '{fixtures}/small-bpe', max_word_bytes: {max}}}}}]
+workers: [{{endpoint: '10.0.0.1:8000', model: m}}]"
+        );
+        let c = Config::from_yaml(&yaml).unwrap();
+        c.validate().unwrap();
+        c.picker(Arc::new(Metrics::new()))
+    };
+    let short = br#"{"model":"m","messages":[{"role":"user","content":"a few short words"}]}"#;
+    let long = br#"{"model":"m","messages":[{"role":"user","content":"a few short words, then supercalifragilistic"}]}"#;
+    let load_only = router("load_only", 12).unwrap();
+    let d = decide(&load_only, &chat_parts(short)).unwrap();
+    assert!(d.request.tokens.is_some());
+    let d = decide(&load_only, &chat_parts(long)).unwrap();
+    assert_eq!(d.request.unrenderable_reason(), Some("long_word"));
+    assert!(d.request.tokens.is_none());
+    let reject = router("reject", 12).unwrap();
+    let e = decide(&reject, &chat_parts(long)).unwrap_err();
+    assert_eq!(e.status(), 400);
+    assert!(e.to_string().contains("split point"), "{e}");
+    assert!(decide(&reject, &chat_parts(short)).is_ok());
+    assert!(router("load_only", 0).is_err());
+}

@@ -358,7 +358,7 @@ FULL_CONFIG = {
             "name": "meta-llama/Llama-3.1-8B-Instruct",
             "block_size": 16,
             "lora_adapters": ["support-bot", "sql-bot"],
-            "tokenizer": {"path": "/tokenizers/llama-3.1-8b"},
+            "tokenizer": {"path": "/tokenizers/llama-3.1-8b", "max_word_bytes": 131072},
         },
         {"name": "Qwen/Qwen3-0.6B", "block_size": 32, "max_prompt_tokens": 40960},
     ],

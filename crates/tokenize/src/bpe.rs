@@ -30,6 +30,7 @@ use parking_lot::Mutex;
 use serde_json::Value;
 use tokenizers::Tokenizer;
 
+use super::model::MAX_WORD_BYTES;
 use super::pretok::{Pattern, Step, words};
 
 /// A multiply-rotate hasher for the merge table's `u64` keys (pairs of ids).
@@ -177,15 +178,22 @@ impl WordCache {
 #[derive(Default)]
 struct Scratch {
     /// Per symbol: id (`u32::MAX` once merged into its left neighbour), previous, next
-    /// (`u32::MAX` = none): 12 bytes per byte of the word, plus the heap's 12 per pair.
+    /// (`u32::MAX` = none): 12 bytes per byte of the word, plus the heap's 8 per pending merge.
     symbols: Vec<(u32, u32, u32)>,
-    /// Pending merges: (rank, position, new id), lowest rank then leftmost first.
-    heap: BinaryHeap<std::cmp::Reverse<(u32, u32, u32)>>,
+    /// Pending merges: `rank << 32 | position`, lowest rank then leftmost first (the merged id
+    /// is `FastBpe::merged[rank]`).
+    heap: BinaryHeap<std::cmp::Reverse<u64>>,
 }
 
-/// Why [`FastBpe::encode`] left a text to the `tokenizers` crate.
+/// Why [`FastBpe::encode`] did not encode a text.
 #[derive(Debug, PartialEq, Eq)]
-pub(crate) struct NotHandled;
+pub(crate) enum NotHandled {
+    /// The normalizer could change the text: it is left to the `tokenizers` crate.
+    Normalizer,
+    /// A word of this many bytes, over the encoder's word limit: nobody encodes it (what was
+    /// appended to `out` before it was met is to be discarded).
+    LongWord(usize),
+}
 
 /// The encoder of one tokenizer (see the module doc).
 pub(crate) struct FastBpe {
@@ -197,9 +205,14 @@ pub(crate) struct FastBpe {
     byte_ids: [u32; 256],
     /// `(left << 32 | right)` → (rank, merged id).
     merges: PairMap<(u32, u32)>,
+    /// Rank → merged id (a line of the merges list; a pair listed twice keeps its last rank in
+    /// `merges`, as in the crate).
+    merged: Vec<u32>,
     /// The vocabulary by bytes, when `ignore_merges` is set.
     whole_words: Option<HashMap<Vec<u8>, u32>>,
     cache: WordCache,
+    /// The longest word encoded, in bytes.
+    max_word: usize,
 }
 
 impl std::fmt::Debug for FastBpe {
@@ -295,6 +308,7 @@ impl FastBpe {
                 .filter(|&i| i != u32::MAX)
         };
         let mut merges = PairMap::default();
+        let mut merged_by_rank = Vec::new();
         for (rank, pair) in model["merges"].as_array()?.iter().enumerate() {
             let (a, b) = match pair {
                 Value::Array(ab) if ab.len() == 2 => (ab[0].as_str()?, ab[1].as_str()?),
@@ -304,6 +318,7 @@ impl FastBpe {
             let merged = id_of(&format!("{a}{b}"))?;
             let key = u64::from(id_of(a)?) << 32 | u64::from(id_of(b)?);
             merges.insert(key, (u32::try_from(rank).ok()?, merged));
+            merged_by_rank.push(merged);
         }
         let whole_words = (model["ignore_merges"] == true).then(|| {
             let byte_of: HashMap<char, u8> = chars
@@ -350,14 +365,18 @@ impl FastBpe {
             steps,
             byte_ids,
             merges,
+            merged: merged_by_rank,
             whole_words,
             cache: WordCache::new(),
+            max_word: MAX_WORD_BYTES,
         })
     }
 
     /// Appends the ids of `text` (no post-processor) to `out`, stopping once `out` holds more
-    /// than `limit` ids. `Err(NotHandled)` (before anything is appended) for a text the
-    /// normalizer could change.
+    /// than `limit` ids. `Err(NotHandled::Normalizer)` (before anything is appended) for a text
+    /// the normalizer could change; `Err(NotHandled::LongWord)` at a word over
+    /// the word limit ([`MAX_WORD_BYTES`] unless set), before any working memory is allocated
+    /// for it.
     pub(crate) fn encode(
         &self,
         text: &str,
@@ -369,9 +388,10 @@ impl FastBpe {
             && unicode_normalization_alignments::is_nfc_quick(text.chars())
                 != unicode_normalization_alignments::IsNormalized::Yes
         {
-            return Err(NotHandled);
+            return Err(NotHandled::Normalizer);
         }
         let mut scratch = Scratch::default();
+        let mut long = None;
         self.split_added(self.raw.as_ref(), text, out, limit, &mut |piece, out| {
             self.split_added(
                 self.normalized.as_ref(),
@@ -380,13 +400,54 @@ impl FastBpe {
                 limit,
                 &mut |piece, out| {
                     words(&self.steps, piece, &mut |word| {
+                        if word.len() > self.max_word {
+                            long = Some(word.len());
+                            return false;
+                        }
                         self.word(word.as_bytes(), out, &mut scratch);
                         out.len() <= limit
                     })
                 },
             )
         });
-        Ok(())
+        match long {
+            Some(bytes) => Err(NotHandled::LongWord(bytes)),
+            None => Ok(()),
+        }
+    }
+
+    /// Sets the longest word encoded, in bytes.
+    pub(crate) fn set_max_word(&mut self, bytes: usize) {
+        self.max_word = bytes;
+    }
+
+    /// The length in bytes of the longest word of `text`, as [`FastBpe::encode`] cuts it
+    /// (before normalization): what the `tokenizers` crate would merge in one piece, when a
+    /// text is left to it. One pass, nothing allocated but added-token ids.
+    pub(crate) fn longest_word(&self, text: &str) -> usize {
+        let mut longest = 0;
+        let mut added = Vec::new();
+        self.split_added(
+            self.raw.as_ref(),
+            text,
+            &mut added,
+            usize::MAX,
+            &mut |piece, added| {
+                self.split_added(
+                    self.normalized.as_ref(),
+                    piece,
+                    added,
+                    usize::MAX,
+                    &mut |piece, _| {
+                        words(&self.steps, piece, &mut |word| {
+                            longest = longest.max(word.len());
+                            true
+                        })
+                    },
+                )
+            },
+        );
+        longest
     }
 
     /// `AddedVocabulary::find_matches`: added-token ids for matches, `gap` for the text between.
@@ -466,12 +527,21 @@ impl FastBpe {
             )
         }));
         let pair = |a: u32, b: u32| u64::from(a) << 32 | u64::from(b);
-        for i in 0..symbols.len().saturating_sub(1) {
-            if let Some(&(rank, new_id)) = self.merges.get(&pair(symbols[i].0, symbols[i + 1].0)) {
-                heap.push(std::cmp::Reverse((rank, i as u32, new_id)));
-            }
-        }
-        while let Some(std::cmp::Reverse((_, pos, new_id))) = heap.pop() {
+        let entry = |rank: u32, pos: u32| std::cmp::Reverse(u64::from(rank) << 32 | u64::from(pos));
+        // The initial merges in one allocation of their exact number (counted first), heapified
+        // at once: pop order depends only on the keys, so it is the order of pushing them.
+        let initial = |i: usize| {
+            let &(rank, _) = self.merges.get(&pair(symbols[i].0, symbols[i + 1].0))?;
+            Some(entry(rank, i as u32))
+        };
+        let pairs = 0..symbols.len().saturating_sub(1);
+        let mut pending = std::mem::take(heap).into_vec();
+        pending.reserve_exact(pairs.clone().filter(|&i| initial(i).is_some()).count());
+        pending.extend(pairs.filter_map(initial));
+        *heap = BinaryHeap::from(pending);
+        while let Some(std::cmp::Reverse(top)) = heap.pop() {
+            let pos = top as u32;
+            let new_id = self.merged[(top >> 32) as usize];
             let p = pos as usize;
             let (left, prev, next) = symbols[p];
             if left == NONE || next == NONE {
@@ -487,15 +557,15 @@ impl FastBpe {
                 symbols[right.2 as usize].1 = pos;
             }
             if prev != NONE
-                && let Some(&(rank, id)) = self.merges.get(&pair(symbols[prev as usize].0, new_id))
+                && let Some(&(rank, _)) = self.merges.get(&pair(symbols[prev as usize].0, new_id))
             {
-                heap.push(std::cmp::Reverse((rank, prev, id)));
+                heap.push(entry(rank, prev));
             }
             if right.2 != NONE
-                && let Some(&(rank, id)) =
+                && let Some(&(rank, _)) =
                     self.merges.get(&pair(new_id, symbols[right.2 as usize].0))
             {
-                heap.push(std::cmp::Reverse((rank, pos, id)));
+                heap.push(entry(rank, pos));
             }
         }
         out.extend(symbols.iter().filter(|s| s.0 != NONE).map(|s| s.0));
@@ -634,7 +704,8 @@ mod tests {
             let mut ours = Vec::new();
             match fast.encode(text, &mut ours, usize::MAX) {
                 Ok(()) => prop_assert_eq!(&ours, &reference(tok, text), "{} on {:?}", name, text),
-                Err(NotHandled) => prop_assert!(
+                Err(NotHandled::LongWord(n)) => prop_assert!(false, "{name}: a word of {n} bytes"),
+                Err(NotHandled::Normalizer) => prop_assert!(
                     fast.nfc
                         && unicode_normalization_alignments::is_nfc_quick(text.chars())
                             != unicode_normalization_alignments::IsNormalized::Yes,
@@ -803,6 +874,27 @@ mod tests {
             &"😀".repeat(500),
         ] {
             check(text).unwrap();
+        }
+    }
+
+    /// A word over the limit stops the encoding before it is merged; `longest_word` measures
+    /// the words `encode` cuts.
+    #[test]
+    fn a_word_over_the_limit_is_not_merged() {
+        let over = format!("hi\n{}\nbye", "a".repeat(MAX_WORD_BYTES + 1));
+        let spaces = format!("hi{}", " ".repeat(MAX_WORD_BYTES + 1));
+        for (name, _, fast) in encoders() {
+            for text in [&over, &spaces] {
+                let mut out = Vec::new();
+                match fast.encode(text, &mut out, usize::MAX) {
+                    Err(NotHandled::LongWord(n)) => {
+                        assert!(n > MAX_WORD_BYTES, "{name}");
+                        assert_eq!(fast.longest_word(text), n, "{name}");
+                    }
+                    other => panic!("{name}: {other:?}"),
+                }
+            }
+            assert_eq!(fast.longest_word("hi\nthere"), "there".len(), "{name}");
         }
     }
 

@@ -111,6 +111,20 @@ pub enum TokenizeError {
         /// The limit.
         max: usize,
     },
+    /// The text has a pre-tokenizer word (a piece with no split point) longer than the model's
+    /// limit ([`crate::model::MAX_WORD_BYTES`] by default): BPE merges a word as a whole, with working memory
+    /// proportional to its length, so kv-epp does not encode it (found before any of that memory
+    /// is allocated).
+    #[error(
+        "a word of {bytes} bytes without a split point is over the {max} bytes kv-epp tokenizes \
+         in one piece"
+    )]
+    WordTooLong {
+        /// The word's length (bytes of the text, before normalization).
+        bytes: usize,
+        /// The limit.
+        max: usize,
+    },
     /// The tokenizer failed on the text (not expected for valid UTF-8; a server-side fault).
     #[error("tokenizer failed: {0}")]
     Encode(String),
@@ -153,11 +167,15 @@ pub enum Unrenderable {
     ResponsesInput,
     /// A `/v1/responses` tool other than a function tool.
     ResponsesTool,
+    /// A pre-tokenizer word longer than the model's limit
+    /// ([`TokenizeError::WordTooLong`]): its BPE working memory would exceed the tokenization
+    /// memory bound.
+    LongWord,
 }
 
 impl Unrenderable {
     /// Every reason, for documentation and tests.
-    pub const ALL: [Unrenderable; 9] = [
+    pub const ALL: [Unrenderable; 10] = [
         Unrenderable::TemplateRejected,
         Unrenderable::TemplateFailed,
         Unrenderable::NoChatTemplate,
@@ -167,6 +185,7 @@ impl Unrenderable {
         Unrenderable::ContentFormat,
         Unrenderable::ResponsesInput,
         Unrenderable::ResponsesTool,
+        Unrenderable::LongWord,
     ];
 
     /// The metric label.
@@ -181,6 +200,7 @@ impl Unrenderable {
             Unrenderable::ContentFormat => "content_format",
             Unrenderable::ResponsesInput => "responses_input",
             Unrenderable::ResponsesTool => "responses_tool",
+            Unrenderable::LongWord => "long_word",
         }
     }
 }
@@ -203,6 +223,7 @@ impl TokenizeError {
             TokenizeError::NoChatTemplate => Some(Unrenderable::NoChatTemplate),
             TokenizeError::ContinueFinalMessage(_) => Some(Unrenderable::ContinueFinalMessage),
             TokenizeError::Inexact { reason, .. } => Some(*reason),
+            TokenizeError::WordTooLong { .. } => Some(Unrenderable::LongWord),
             _ => None,
         }
     }

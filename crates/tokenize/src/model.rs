@@ -16,7 +16,7 @@ use minijinja::Value;
 use serde_json::Value as JsonValue;
 use tokenizers::Tokenizer;
 
-use super::bpe::FastBpe;
+use super::bpe::{FastBpe, NotHandled};
 use super::error::{LoadError, TokenizeError, Unrenderable};
 use super::floor::TokenFloor;
 use super::json::Json;
@@ -27,6 +27,38 @@ use super::vllm::{developer_as_system, filter_template_kwargs};
 
 /// Default budget of the segment cache, in tokens (about 16 MiB of ids).
 pub const DEFAULT_SEGMENT_CACHE_TOKENS: usize = 4 << 20;
+
+/// The longest pre-tokenizer word (a piece of text with no split point) kv-epp encodes, in
+/// bytes, by default ([`ModelTokenizer::set_max_word_bytes`]; the `max_word_bytes` setting of a
+/// model's tokenizer). BPE merges a word as a whole, with working memory proportional to its length (~20
+/// bytes per byte of the word in our encoder, more in the `tokenizers` crate) and no exact way to
+/// cut it, so a longer word makes the request unrenderable ([`TokenizeError::WordTooLong`], reason
+/// `long_word`: routed on load alone, or refused under `routing.unrenderable: reject`), found
+/// before that memory is allocated. Natural text stays far below: prose and code words are
+/// tens of bytes; base64, hex and URLs are cut at every digit or punctuation run by the
+/// GPT-2-style regexes; a CJK paragraph without punctuation is a few KiB; a whitespace run of
+/// indentation or padding a few hundred bytes; the longest protein sequence (titin, ~34,000
+/// residues) pasted on one line is 34 KB. At the limit a word's working memory is ~1.2-2 MiB.
+pub const MAX_WORD_BYTES: usize = 64 << 10;
+
+/// The longest run of whitespace or of non-whitespace characters in `text`, in bytes: an upper
+/// bound on the words of a pre-tokenizer that splits at least where whitespace starts or ends
+/// (what the `tokenizers` crate's `Whitespace`, `WhitespaceSplit`, `Metaspace`, `ByteLevel`
+/// and GPT-2-style `Split` regexes all do).
+fn longest_run(text: &str) -> usize {
+    let mut longest = 0;
+    let mut start = 0;
+    let mut space = None;
+    for (i, c) in text.char_indices() {
+        let is_space = c.is_whitespace();
+        if space != Some(is_space) {
+            longest = longest.max(i - start);
+            start = i;
+            space = Some(is_space);
+        }
+    }
+    longest.max(text.len() - start)
+}
 
 /// The special-token attributes transformers 5 passes to every template render, in order.
 const SPECIAL_TOKEN_ATTRIBUTES: [&str; 7] = [
@@ -87,6 +119,8 @@ pub struct ModelTokenizer {
     /// Our own encoder (`bpe.rs`), for the byte-level BPE configurations it reproduces exactly;
     /// `None`: the `tokenizers` crate encodes everything.
     fast: Option<FastBpe>,
+    /// The longest word encoded ([`MAX_WORD_BYTES`] by default).
+    max_word_bytes: usize,
 }
 
 impl std::fmt::Debug for ModelTokenizer {
@@ -236,7 +270,18 @@ impl ModelTokenizer {
             floor,
             specials,
             fast,
+            max_word_bytes: MAX_WORD_BYTES,
         })
+    }
+
+    /// Sets the longest pre-tokenizer word encoded, in bytes (at least 1); a text with a longer
+    /// one is [`TokenizeError::WordTooLong`]. Call at start, before sharing.
+    pub fn set_max_word_bytes(&mut self, bytes: usize) {
+        let bytes = bytes.max(1);
+        self.max_word_bytes = bytes;
+        if let Some(fast) = &mut self.fast {
+            fast.set_max_word(bytes);
+        }
     }
 
     /// Sets the segment cache budget in tokens (0 turns the cache off). Call at start, before
@@ -459,13 +504,35 @@ impl ModelTokenizer {
         limit: usize,
         out: &mut Vec<u32>,
     ) -> Result<(), TokenizeError> {
+        let too_long = |bytes: usize| TokenizeError::WordTooLong {
+            bytes,
+            max: self.max_word_bytes,
+        };
         if let (Some(fast), false) = (&self.fast, add_special_tokens) {
             // About a token per 4 bytes of prose: one allocation for most texts.
             out.reserve(text.len() / 4 + 1);
             let start = out.len();
-            if fast.encode(text, out, limit.saturating_add(start)).is_ok() {
-                return Ok(());
+            match fast.encode(text, out, limit.saturating_add(start)) {
+                Ok(()) => return Ok(()),
+                Err(NotHandled::LongWord(bytes)) => {
+                    out.truncate(start);
+                    return Err(too_long(bytes));
+                }
+                Err(NotHandled::Normalizer) => {}
             }
+        }
+        // The crate merges each word whole too: no word over the limit goes to it. Its words
+        // are ours when our encoder recognises the configuration (measured before NFC, which
+        // changes a length by a few bytes at most); otherwise bounded by the whitespace runs,
+        // unless the tokenizer has no pre-tokenizer at all (then its "word" is the whole text,
+        // and nothing can be said of its working memory from the text).
+        let longest = match &self.fast {
+            Some(fast) => fast.longest_word(text),
+            None if self.tokenizer.get_pre_tokenizer().is_some() => longest_run(text),
+            None => 0,
+        };
+        if longest > self.max_word_bytes {
+            return Err(too_long(longest));
         }
         let encoding = self
             .tokenizer
@@ -648,6 +715,54 @@ mod tests {
             Prompt::Chat(chat) => model.render_chat(&chat),
             _ => unreachable!(),
         }
+    }
+
+    /// A word over [`MAX_WORD_BYTES`] is refused on both paths, ours and the crate's, and one
+    /// at the limit is encoded, the same by both.
+    #[test]
+    fn a_word_over_the_limit_is_not_tokenized() {
+        let fixtures = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/fixtures/tokenizer/small-bpe"
+        );
+        let ours = ModelTokenizer::load(&TokenizerFiles::in_dir(fixtures)).unwrap();
+        assert!(ours.uses_own_encoder());
+        let crate_only = ModelTokenizer {
+            fast: None,
+            ..ModelTokenizer::load(&TokenizerFiles::in_dir(fixtures)).unwrap()
+        };
+        let over = format!("hello\n{}\nbye", "a".repeat(MAX_WORD_BYTES + 1));
+        let spaces = format!("hello{}", " ".repeat(MAX_WORD_BYTES + 2));
+        let at = format!("hello\n{}", "b".repeat(MAX_WORD_BYTES));
+        for model in [&ours, &crate_only] {
+            for text in [&over, &spaces] {
+                for special in [false, true] {
+                    match model.encode(text, special) {
+                        Err(e @ TokenizeError::WordTooLong { bytes, max }) => {
+                            assert!(bytes > MAX_WORD_BYTES && max == MAX_WORD_BYTES);
+                            assert_eq!(e.unrenderable(), Some(Unrenderable::LongWord));
+                            assert!(e.is_client_error());
+                        }
+                        other => panic!("{:?}", other.map(|ids| ids.len())),
+                    }
+                }
+            }
+        }
+        let ids = ours.encode(&at, false).unwrap();
+        assert_eq!(ids, crate_only.encode(&at, false).unwrap());
+        assert_eq!(ids, ours.encode_with_tokenizers_crate(&at, false).unwrap());
+        for mut model in [ours, crate_only] {
+            // " three" is a word of 6 bytes for our encoder, a run of 5 for the crate's scan.
+            model.set_max_word_bytes(6);
+            assert!(model.encode("one two three", false).is_ok());
+            match model.encode("one two three\nfourteen", false) {
+                Err(TokenizeError::WordTooLong { bytes: 8, max: 6 }) => {}
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(longest_run("ab  c\n\n\nd"), 3);
+        assert_eq!(longest_run(""), 0);
+        assert_eq!(longest_run("東京"), 6);
     }
 
     #[test]

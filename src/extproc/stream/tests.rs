@@ -654,6 +654,81 @@ workers: [{{endpoint: '10.0.0.1:8000', model: m}}]"
     );
 }
 
+/// A chat with a word longer than kv-epp tokenizes in one piece (256 KiB of letters, no split
+/// point) is routed on load and counted under `long_word` by default, refused with a 400 that
+/// says why under `routing.unrenderable: reject`; a word at the limit is tokenized.
+#[test]
+fn a_chat_with_an_over_long_word_is_routed_on_load_or_refused() {
+    use kv_epp_tokenize::model::MAX_WORD_BYTES;
+    let fixtures = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokenizer");
+    let rig = |policy: &str| {
+        let yaml = format!(
+            "routing: {{unrenderable: {policy}}}
+models: [{{name: m, block_size: 4, tokenizer: {{path: '{fixtures}/small-bpe', chat_template: '{fixtures}/templates/llama3.jinja'}}}}]
+workers: [{{endpoint: '10.0.0.1:8000', model: m}}]"
+        );
+        let c = Config::from_yaml(&yaml).unwrap();
+        c.validate().unwrap();
+        let metrics = Arc::new(Metrics::new());
+        Rig {
+            picker: Arc::new(c.picker(metrics.clone()).unwrap()),
+            metrics,
+        }
+    };
+    let chat = |word: usize| {
+        serde_json::to_vec(&serde_json::json!({
+            "model": "m",
+            "messages": [{"role": "user", "content": format!("see:\n{}\nok?", "a".repeat(word))}],
+        }))
+        .unwrap()
+    };
+    let send = |r: &Rig, bytes: &[u8]| {
+        let mut h = r.handler();
+        h.on_message(headers(
+            &[(":path", "/v1/chat/completions")],
+            false,
+            FULL_DUPLEX,
+        ))
+        .unwrap();
+        h.on_message(body(bytes, true)).unwrap()
+    };
+    let long = chat(4 * MAX_WORD_BYTES);
+    let counted = |r: &Rig| {
+        r.metrics
+            .encode()
+            .lines()
+            .find(|l| l.starts_with("kv_epp_unrenderable_total{") && l.contains("long_word"))
+            .map(str::to_owned)
+    };
+
+    let load_only = rig("load_only");
+    let out = send(&load_only, &long);
+    let (dest, _, bytes, _, _) = routing_of(&out);
+    assert_eq!(dest, "10.0.0.1:8000");
+    assert_eq!(bytes, long, "the body goes through untouched");
+    assert_eq!(
+        counted(&load_only).as_deref(),
+        Some(r#"kv_epp_unrenderable_total{model="m",reason="long_word"} 1"#)
+    );
+    let at_limit = chat(MAX_WORD_BYTES);
+    let (dest, _, _, _, _) = routing_of(&send(&load_only, &at_limit));
+    assert_eq!(dest, "10.0.0.1:8000");
+    assert_eq!(
+        counted(&load_only).as_deref(),
+        Some(r#"kv_epp_unrenderable_total{model="m",reason="long_word"} 1"#),
+        "a word at the limit is tokenized"
+    );
+
+    let reject = rig("reject");
+    let out = send(&reject, &long);
+    let (status, text, ..) = immediate_status(&out).expect("an immediate response");
+    assert_eq!(status, 400);
+    assert!(
+        text.contains("without a split point") && text.contains(&MAX_WORD_BYTES.to_string()),
+        "{text}"
+    );
+}
+
 #[test]
 fn salted_requests_to_engines_without_salted_events_are_counted() {
     let count = |r: &Rig| {

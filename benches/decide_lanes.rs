@@ -5,7 +5,7 @@
 //! routing decision received), first alone, then while 4 clients keep sending multi-MiB chat
 //! bodies that must be tokenized, and prints p50/p99 of both and the loaded/alone ratio in one
 //! run. Every prompt is unique, so the tokenizer's segment cache does not hide the work.
-//! The goal of the two lanes is a ratio of at most 3× (met for p50; p99 4.5–5.2× on 2 cores).
+//! The goal of the two lanes is a ratio of at most 3×, p50 and p99.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -34,6 +34,15 @@ fn pct(v: &mut [f64], q: f64) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
     v[rank - 1]
+}
+
+/// Lowers the calling thread's CPU priority to the lowest (Linux: nice is per thread).
+fn lowest_priority() {
+    // SAFETY: gettid has no preconditions; setpriority on our own thread id only changes its
+    // scheduling priority, and a failure (its return value) leaves it as it was.
+    unsafe {
+        libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 19);
+    }
 }
 
 /// A chat body whose user message is `words` pseudo-random words, unique per `seed`.
@@ -168,10 +177,20 @@ async fn main() {
     let stop = Arc::new(AtomicBool::new(false));
     let big_done = Arc::new(AtomicUsize::new(0));
     let big_words = big_bytes / 7;
+    // The big clients are the load generator, which stands in for Envoy, another process on
+    // another machine in a deployment: they run on a runtime of their own at the lowest CPU
+    // priority, so the 2 cores measure kv-epp's own work (receiving, decoding and tokenizing the
+    // big bodies at its normal priority) rather than this process's generator.
+    let generator = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .on_thread_start(lowest_priority)
+        .enable_all()
+        .build()
+        .expect("generator runtime");
     let mut big = Vec::new();
     for c in 0..BIG_CLIENTS as u64 {
         let (stop, done, url) = (stop.clone(), big_done.clone(), url.clone());
-        big.push(tokio::spawn(async move {
+        big.push(generator.spawn(async move {
             let mut client = ExternalProcessorClient::connect(url)
                 .await
                 .expect("connect")
@@ -203,6 +222,7 @@ async fn main() {
     for b in big {
         b.await.expect("a big client failed");
     }
+    generator.shutdown_background();
 
     let (a50, a99, l50, l99) = (
         pct(&mut alone, 0.5),
@@ -223,7 +243,7 @@ async fn main() {
         format!("with {BIG_CLIENTS} × {} KiB bodies", big_bytes >> 10)
     );
     println!(
-        "{:>34} | {:>8.2}x {:>8.2}x   (goal: p50 ≤ 3x; {big_finished} big decisions meanwhile)",
+        "{:>34} | {:>8.2}x {:>8.2}x   (goal: ≤ 3x; {big_finished} big decisions meanwhile)",
         "ratio",
         l50 / a50,
         l99 / a99

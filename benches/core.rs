@@ -10,7 +10,6 @@
 //! Populations come from the built-in multi-tenant generator, or from a Mooncake trace with
 //! `--trace PATH` (never copied into the repository).
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::HashSet;
 use std::hint::black_box;
 use std::sync::Arc;
@@ -28,31 +27,11 @@ use kv_epp_core::worker::WorkerId;
 use kv_epp_sim::fleet::percentile;
 use kv_epp_sim::workload::read_mooncake;
 
-struct Counting;
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: delegates to the system allocator and only counts sizes.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        LIVE.fetch_add(l.size(), Ordering::Relaxed);
-        // SAFETY: forwarded unchanged.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
-        // SAFETY: forwarded unchanged.
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        LIVE.fetch_add(new, Ordering::Relaxed);
-        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
-        // SAFETY: forwarded unchanged.
-        unsafe { System.realloc(p, l, new) }
-    }
-}
+#[path = "support/peak_alloc.rs"]
+mod peak_alloc;
 
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: peak_alloc::Counting = peak_alloc::Counting;
 
 const BLOCK: usize = 16;
 /// Queries timed per measurement.
@@ -251,7 +230,7 @@ fn bench_events_over_zmq() {
 /// All-in live bytes: everything the global allocator has handed out, plus the holder arrays the
 /// index maps directly (for huge pages) outside the allocator.
 fn live_bytes() -> usize {
-    LIVE.load(Ordering::Relaxed) + MAPPED_BYTES.load(Ordering::Relaxed)
+    peak_alloc::live() + MAPPED_BYTES.load(Ordering::Relaxed)
 }
 
 /// Lets epoch-deferred frees (tables replaced while growing) run, so they are not counted.

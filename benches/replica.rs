@@ -9,9 +9,8 @@
 //! - Hit rate: the in-process fleet with one kv-epp vs three replicas on the same workload
 //!   (target: equal within 1%).
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use kv_epp::config::{Config, PeersConfig};
@@ -27,42 +26,17 @@ use kv_epp_core::scoring::ScoringConfig;
 use kv_epp_sim::fleet::{FleetSpec, Policy, one_and_replicas, simulate};
 use kv_epp_sim::workload::{GeneratorSpec, generate};
 
-struct Counting;
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-fn grew(now: usize) {
-    PEAK.fetch_max(now, Ordering::Relaxed);
-}
-
-// SAFETY: delegates to the system allocator and only counts sizes.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        grew(LIVE.fetch_add(l.size(), Ordering::Relaxed) + l.size());
-        // SAFETY: forwarded unchanged.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
-        // SAFETY: forwarded unchanged.
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        grew(LIVE.fetch_add(new, Ordering::Relaxed) + new);
-        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
-        // SAFETY: forwarded unchanged.
-        unsafe { System.realloc(p, l, new) }
-    }
-}
+#[path = "support/peak_alloc.rs"]
+mod peak_alloc;
 
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: peak_alloc::Counting = peak_alloc::Counting;
 
 const BS: usize = 16;
 const WORKERS: usize = 64;
 
 fn live() -> usize {
-    LIVE.load(Ordering::Relaxed) + MAPPED_BYTES.load(Ordering::Relaxed)
+    peak_alloc::live() + MAPPED_BYTES.load(Ordering::Relaxed)
 }
 
 fn main() {
@@ -215,15 +189,14 @@ async fn bench_snapshot(n: usize) {
         "Bearer bench-token".parse().expect("ascii"),
     );
     // PEAK follows the allocator alone (the index's mapped arrays do not change here).
-    let base = LIVE.load(Ordering::Relaxed);
-    PEAK.store(base, Ordering::Relaxed);
+    let base = peak_alloc::start_peak();
     let mut stream = client.snapshot(req).await.expect("snapshot").into_inner();
     let mut chunks = 0usize;
     while let Some(m) = stream.message().await.expect("chunk") {
         chunks += 1;
         std::hint::black_box(m);
     }
-    let transient = PEAK.load(Ordering::Relaxed).saturating_sub(base);
+    let transient = peak_alloc::peak_above(base);
     println!("snapshot of {n} entries over {WORKERS} workers (loopback, token auth):");
     println!(
         "  size {:.1} MB ({:.1} B/entry); bootstrap {:.2} s = {:.2}x the time to apply the same blocks from events ({:.2} s)",

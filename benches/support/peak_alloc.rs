@@ -1,7 +1,8 @@
-//! A counting global allocator for benches that report peak heap growth (`decode`,
-//! `tokenize_memory`): it delegates to the system allocator and keeps the live byte count and
-//! its peak. A bench includes it with `#[path = "support/peak_alloc.rs"] mod peak_alloc;` and
-//! installs [`Counting`] as its `#[global_allocator]`.
+//! A counting global allocator for benches that report heap use (`core`, `decode`, `replica`,
+//! `tokenize_memory`, the peers bench): it delegates to the system allocator and keeps the live
+//! byte count and its peak. A bench includes it with `#[path = "support/peak_alloc.rs"] mod
+//! peak_alloc;` and installs [`Counting`] as its `#[global_allocator]`.
+#![allow(dead_code)] // each bench uses the part it reports
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -41,10 +42,26 @@ unsafe impl GlobalAlloc for Counting {
     }
 }
 
+/// Bytes the allocator has handed out and not yet got back.
+pub(crate) fn live() -> usize {
+    CURRENT.load(Ordering::Relaxed)
+}
+
+/// Starts a peak measurement: returns the live count, from which [`peak_above`] counts.
+pub(crate) fn start_peak() -> usize {
+    let base = live();
+    PEAK.store(base, Ordering::Relaxed);
+    base
+}
+
+/// The highest live count since [`start_peak`] returned `base`, above `base`.
+pub(crate) fn peak_above(base: usize) -> usize {
+    PEAK.load(Ordering::Relaxed).saturating_sub(base)
+}
+
 /// Peak heap growth while `f` runs (bytes above the live count at its start), and its result.
 pub(crate) fn peak_of<T>(f: impl FnOnce() -> T) -> (usize, T) {
-    let base = CURRENT.load(Ordering::Relaxed);
-    PEAK.store(base, Ordering::Relaxed);
+    let base = start_peak();
     let out = f();
-    (PEAK.load(Ordering::Relaxed).saturating_sub(base), out)
+    (peak_above(base), out)
 }

@@ -27,7 +27,6 @@
 //! a counting allocator (plus kv-epp's directly mapped tables) after reclamation, apply rate on
 //! one core, and query throughput with two reader threads over one.
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::{HashMap, HashSet};
 use std::hint::black_box;
 use std::net::SocketAddr;
@@ -46,34 +45,14 @@ use kv_epp_core::index::{EngineBlockHash, IndexLimits, KvIndex, Medium, QueryAns
 use kv_epp_core::worker::WorkerId;
 use radix_tree::{Config as SmgConfig, HolderId, OverlapScratch, RadixTree as SmgTree};
 
-struct Counting;
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: delegates to the system allocator and only counts sizes.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        LIVE.fetch_add(l.size(), Ordering::Relaxed);
-        // SAFETY: forwarded unchanged.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
-        // SAFETY: forwarded unchanged.
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        LIVE.fetch_add(new, Ordering::Relaxed);
-        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
-        // SAFETY: forwarded unchanged.
-        unsafe { System.realloc(p, l, new) }
-    }
-}
+#[path = "../../support/peak_alloc.rs"]
+mod peak_alloc;
 
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: peak_alloc::Counting = peak_alloc::Counting;
 
 fn live_bytes() -> usize {
-    LIVE.load(Ordering::Relaxed) + MAPPED_BYTES.load(Ordering::Relaxed)
+    peak_alloc::live() + MAPPED_BYTES.load(Ordering::Relaxed)
 }
 
 /// Tokens per block: the Mooncake trace's hash ids each stand for 512 tokens.

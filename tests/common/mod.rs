@@ -78,17 +78,39 @@ pub fn write_file(path: &Path, bytes: impl AsRef<[u8]>) {
     std::fs::rename(&tmp, path).unwrap();
 }
 
-/// Picks a free loopback port, never the same one twice in a test process (the kernel may hand
-/// a just-released ephemeral port out again).
+/// Picks a free loopback port for a server a test starts later, never the same one twice in a
+/// test process. Taken below the kernel's ephemeral range (Linux
+/// `net.ipv4.ip_local_port_range`): a port from `bind(:0)` is an ephemeral one, and any test's
+/// outgoing connection could be given it as its local port before the server binds it ("Address
+/// already in use"). Below that range only explicit binds compete, and those go through here.
 pub fn free_port() -> u16 {
     static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    // 20000 up to the ephemeral range, from a per-process offset so parallel test binaries
+    // rarely probe the same ports; fixed test addresses stay below 20000.
+    let first = 20_000u16;
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    if low > first + 1_000 {
+        let span = low - first;
+        let start = (std::process::id() as u16).wrapping_mul(7919) % span;
+        for i in 0..span {
+            let p = first + (start + i) % span;
+            if !given.contains(&p) && std::net::TcpListener::bind(("127.0.0.1", p)).is_ok() {
+                given.push(p);
+                return p;
+            }
+        }
+    }
+    // No room below the ephemeral range: an ephemeral port, as good as it gets.
     loop {
         let p = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
             .unwrap()
             .port();
-        let mut given = GIVEN.lock().unwrap();
         if !given.contains(&p) {
             given.push(p);
             return p;

@@ -22,4 +22,5 @@ pub mod replica;
 pub mod request;
 pub mod server;
 pub(crate) mod tls;
+pub mod upkeep;
 pub mod workers;

@@ -33,6 +33,9 @@ pub struct Metrics {
     pub stream_errors: Family<Labels, Counter>,
     /// Request body bytes buffered across all ext_proc streams, waiting for their decision.
     pub buffered_body_bytes: Gauge,
+    /// Index holder tables and wide records replaced but not yet freed, process-wide (see
+    /// `upkeep`).
+    pub index_retired_tables: Gauge,
     /// Token usage reported in responses, by model and kind (prompt, completion, cached).
     pub tokens: Family<Labels, Counter>,
     /// Responses whose served endpoint differed from the one picked.
@@ -133,6 +136,12 @@ impl Metrics {
             "buffered_body_bytes",
             "Request body bytes buffered across all ext_proc streams before their decision",
             buffered_body_bytes.clone(),
+        );
+        let index_retired_tables = Gauge::default();
+        registry.register(
+            "index_retired_tables",
+            "Index tables and wide records replaced and not yet freed (freed once no query can still read them)",
+            index_retired_tables.clone(),
         );
         let tokens = Family::<Labels, Counter>::default();
         registry.register(
@@ -265,6 +274,7 @@ impl Metrics {
             inflight,
             stream_errors,
             buffered_body_bytes,
+            index_retired_tables,
             tokens,
             served_mismatch,
             discovery_skipped_pods,

@@ -294,6 +294,11 @@ impl Server {
                 }
             }));
         }
+        tasks.push(tokio::spawn(crate::upkeep::reclaim(
+            crate::upkeep::RECLAIM_PERIOD,
+            metrics.index_retired_tables.clone(),
+            rx.clone(),
+        )));
         let opts = StreamOptions {
             flow: Some(flow.clone()),
             max_body_bytes: config.routing.max_body_bytes,

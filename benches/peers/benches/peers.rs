@@ -93,6 +93,8 @@ struct Settings {
     apply_reps: usize,
     /// Reader threads pinned to different cores (`--no-pin`: left to the scheduler).
     pin: bool,
+    /// `--apply-only`: apply figures only (to profile apply).
+    apply_only: bool,
     /// `--only NAME`: measure only that system (for profiling under callgrind); no ratios.
     only: Option<String>,
 }
@@ -117,6 +119,7 @@ fn main() {
             .and_then(|i| args.get(i + 1)?.parse().ok())
             .unwrap_or(if smoke || quick { 1 } else { 5 }),
         pin: !args.iter().any(|a| a == "--no-pin"),
+        apply_only: args.iter().any(|a| a == "--apply-only"),
         only: args
             .iter()
             .position(|a| a == "--only")
@@ -951,6 +954,14 @@ fn measure(
     f.apply_per_wall_s = blocks as f64 / best_wall.as_secs_f64().max(1e-9);
     let sys = kept.expect("at least one build");
     let name = sys.name();
+    if s.apply_only {
+        println!(
+            "  {name:<28} apply {:>5.2} M blocks/CPU-s ({:>5.2} M/wall-s)",
+            f.apply_per_cpu_s / 1e6,
+            f.apply_per_wall_s / 1e6
+        );
+        return (name, f);
+    }
     // Exactness first: every prompt of the stream against the naive model.
     let mut wrong = 0;
     for p in &stream.prompts {
@@ -1189,7 +1200,7 @@ fn run_shape(trace: &[Request], workers: usize, tenants: usize, s: &Settings) {
         }
         all.push((name, f));
     }
-    if s.only.is_some() {
+    if s.only.is_some() || s.apply_only {
         return; // profiling one system: no ratios, no writer or churn figures
     }
     let kv = all[0].1;

@@ -1364,13 +1364,33 @@ fn writer_figures(stream: &Stream, seeds: &[HashSeed], workers: usize, s: &Setti
         lat.sort_unstable();
         lat
     };
-    let idle = lat(&kv);
+    // The reader on one CPU and the writer on another (unless `--no-pin`).
+    let cpus = allowed_cpus();
+    let cpu = |i: usize| (s.pin && cpus.len() > 1).then(|| cpus[i % cpus.len()]);
+    let pinned_lat = || {
+        std::thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    if let Some(c) = cpu(0) {
+                        pin_to(c);
+                    }
+                    let t = Instant::now();
+                    (lat(&kv), t.elapsed())
+                })
+                .join()
+                .expect("reader")
+        })
+    };
+    let idle = pinned_lat().0;
     // Queries on `kv` while a thread writes flat out to `target`.
     let with_writer = |target: &KvEpp| {
         let stop = AtomicBool::new(false);
         let ops = AtomicUsize::new(0);
         let (busy, elapsed) = std::thread::scope(|scope| {
             scope.spawn(|| {
+                if let Some(c) = cpu(1) {
+                    pin_to(c);
+                }
                 while !stop.load(Ordering::Relaxed) {
                     for ev in &stream.events {
                         apply_kv(target, ev, ev.worker + workers, seeds);
@@ -1388,9 +1408,7 @@ fn writer_figures(stream: &Stream, seeds: &[HashSeed], workers: usize, s: &Setti
                     }
                 }
             });
-            let t = Instant::now();
-            let busy = lat(&kv);
-            let elapsed = t.elapsed();
+            let (busy, elapsed) = pinned_lat();
             stop.store(true, Ordering::Relaxed);
             (busy, elapsed)
         });

@@ -1488,18 +1488,6 @@ fn writer_figures(stream: &Stream, seeds: &[HashSeed], workers: usize, s: &Setti
             "NOT met"
         }
     );
-    // The same writer on an index of its own: what remains of the slowdown above is the
-    // machine (a busy core, memory traffic), not lines the reader shares with the writer.
-    let other = KvEpp::new(workers * 2);
-    for ev in &stream.events {
-        apply_kv(&other, ev, ev.worker, seeds);
-    }
-    let (apart, rate) = with_writer(&other);
-    println!(
-        "    the same writer on a separate index ({rate:.2} M block ops/s): query p50 {:.2} µs, p99 {:.2} µs",
-        percentile(&apart, 0.5) / 1e3,
-        percentile(&apart, 0.99) / 1e3,
-    );
 }
 
 fn apply_kv(kv: &KvEpp, ev: &StoreEvent, worker: usize, seeds: &[HashSeed]) {

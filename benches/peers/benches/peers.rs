@@ -1441,60 +1441,34 @@ fn writer_figures(stream: &Stream, seeds: &[HashSeed], workers: usize, s: &Setti
         lat.sort_unstable();
         lat
     };
-    // The reader on one CPU and the writer on another (unless `--no-pin`).
-    let cpus = allowed_cpus();
-    let cpu = |i: usize| (s.pin && cpus.len() > 1).then(|| cpus[i % cpus.len()]);
-    let pinned_lat = || {
-        std::thread::scope(|scope| {
-            scope
-                .spawn(|| {
-                    if let Some(c) = cpu(0) {
-                        pin_to(c);
-                    }
-                    let t = Instant::now();
-                    (lat(&kv), t.elapsed())
-                })
-                .join()
-                .expect("reader")
-        })
-    };
-    let idle = pinned_lat().0;
-    // Queries on `kv` while a thread writes flat out to `target`.
-    let with_writer = |target: &KvEpp| {
-        let stop = AtomicBool::new(false);
-        let ops = AtomicUsize::new(0);
-        let (busy, elapsed) = std::thread::scope(|scope| {
-            scope.spawn(|| {
-                if let Some(c) = cpu(1) {
-                    pin_to(c);
-                }
-                while !stop.load(Ordering::Relaxed) {
-                    for ev in &stream.events {
-                        apply_kv(target, ev, ev.worker + workers, seeds);
-                        ops.fetch_add(ev.engine_hashes.len(), Ordering::Relaxed);
-                        if stop.load(Ordering::Relaxed) {
-                            break;
-                        }
-                    }
-                    for w in workers..workers * 2 {
-                        let n = target
-                            .index
-                            .clear_worker(&target.ids[w])
-                            .expect("registered");
-                        ops.fetch_add(n, Ordering::Relaxed);
+    let idle = lat(&kv);
+    let stop = AtomicBool::new(false);
+    let ops = AtomicUsize::new(0);
+    let (busy, elapsed) = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                for ev in &stream.events {
+                    apply_kv(&kv, ev, ev.worker + workers, seeds);
+                    ops.fetch_add(ev.engine_hashes.len(), Ordering::Relaxed);
+                    if stop.load(Ordering::Relaxed) {
+                        break;
                     }
                 }
-            });
-            let (busy, elapsed) = pinned_lat();
-            stop.store(true, Ordering::Relaxed);
-            (busy, elapsed)
+                for w in workers..workers * 2 {
+                    let n = kv.index.clear_worker(&kv.ids[w]).expect("registered");
+                    ops.fetch_add(n, Ordering::Relaxed);
+                }
+            }
         });
-        let rate = ops.load(Ordering::Relaxed) as f64 / elapsed.as_secs_f64() / 1e6;
-        (busy, rate)
-    };
-    let (busy, rate) = with_writer(&kv);
+        let t = Instant::now();
+        let busy = lat(&kv);
+        let elapsed = t.elapsed();
+        stop.store(true, Ordering::Relaxed);
+        (busy, elapsed)
+    });
     println!(
-        "  kv-epp under a full-rate writer ({rate:.2} M block ops/s meanwhile): query p50 {:.2} µs (idle {:.2}), p99 {:.2} µs (idle {:.2}): p99 {:.2}x of idle (goal <= 2.0: {})",
+        "  kv-epp under a full-rate writer ({:.2} M block ops/s meanwhile): query p50 {:.2} µs (idle {:.2}), p99 {:.2} µs (idle {:.2}): p99 {:.2}x of idle (goal <= 2.0: {})",
+        ops.load(Ordering::Relaxed) as f64 / elapsed.as_secs_f64() / 1e6,
         percentile(&busy, 0.5) / 1e3,
         percentile(&idle, 0.5) / 1e3,
         percentile(&busy, 0.99) / 1e3,

@@ -13,23 +13,52 @@
 //! (round-robin when none does), as a KV router would place them; the worker then stores the
 //! blocks it did not hold, continuing the prefix it held, as an engine announces them.
 //!
-//! Applying charges every system the same work: a stored event carries tokens, and each system's
-//! time includes computing the blocks' local hashes from them (kv-epp's `store` does it itself;
-//! for the peers the loop does it with the same function, which equals Dynamo's block hash).
-//! Queries are timed on prehashed prompts for every system (local hashes for the peers, sequence
-//! hashes for kv-epp).
+//! Applying charges every system the same work outside its index. A stored event carries
+//! tokens, and each system's time includes computing the blocks' local hashes from them with the
+//! hash it would use: kv-epp's `store` calls its own `hash_block` (its AVX2 loop for these
+//! 2 KiB blocks, where the CPU has AVX2); for the peers the loop calls `xxhash-rust`'s XXH3-64
+//! over the same bytes in place, which is what Dynamo's block hash computes (smg takes the
+//! caller's hashes). Both give the same value. Everything else a system's API wants (kv-epp's engine-hash slice,
+//! smg's (engine, local) pairs, Dynamo's `RouterEvent`s) is built before the clock starts, as a
+//! decoder would hand it over; the peers' local hashes are written into it inside the timed loop.
+//! Dynamo's concurrent tree is written through its public path, its worker loop on a thread of
+//! its own fed by a channel (a chunk's events, the last acknowledged).
+//!
+//! Queries are timed on prehashed prompts for every system (local hashes for the peers, in
+//! Dynamo's type for Dynamo, so no conversion is charged to it; sequence hashes for kv-epp).
+//!
+//! Apply per core: each system is built afresh `apply_reps` times (5; 1 with `--quick` and in
+//! the smoke run), with the counting allocator switched off (its shared counters would charge
+//! the systems that allocate more; memory is counted on one more, untimed build), and the
+//! stream applied in chunks of ~128 KiB of tokens (~64 blocks); each chunk's tokens are read
+//! just before its clock starts (in service an event's tokens were just decoded when it is
+//! applied, so hashing reads cache, not memory), and the process's CPU time
+//! (`CLOCK_PROCESS_CPUTIME_ID`: every thread, Dynamo's worker loop included) and the wall clock
+//! are summed over the chunks, less what the same loop costs with nothing to apply (the clock
+//! reads, ~0.3 µs each here). The figure is blocks per CPU-second of the build with the least
+//! CPU time; blocks per wall-second are printed beside it. The local hashes alone, timed the same
+//! way, are printed too (the peers' and kv-epp's): what each system pays before its own work.
+//!
+//! Readers: one, then two threads query a window (400 ms, best of three), pinned to different
+//! CPUs (`--no-pin`: left to the scheduler), each reading its own CPU time
+//! (`CLOCK_THREAD_CPUTIME_ID`). Two readers over one is printed as throughput and as throughput
+//! per reader-CPU-second: the first needs a free core per reader, the second does not (it drops
+//! only with contention between the readers), and the readers' CPU share says which case a run
+//! was in. A yardstick with nothing shared (each thread reading random words of its own 16 MiB
+//! array) shows what the machine gives two threads at that moment.
 //!
 //! Exact answers are a precondition: every system's answer to every prompt is compared with a
 //! naive model (per worker, the set of prefixes it holds) before any figure is printed; a system
 //! that differs is reported as inexact and its figures are not printed.
 //!
 //! Figures (all as ratios to the peers, same run): query p50/p99, memory per (worker, block) from
-//! a counting allocator (plus kv-epp's directly mapped tables) after reclamation, apply rate on
-//! one core, and query throughput with two reader threads over one.
+//! a counting allocator (plus kv-epp's directly mapped tables) after reclamation, apply per
+//! CPU-second, and query throughput with two reader threads over one.
 
 use std::collections::{HashMap, HashSet};
 use std::hint::black_box;
 use std::net::SocketAddr;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -49,7 +78,61 @@ use radix_tree::{Config as SmgConfig, HolderId, OverlapScratch, RadixTree as Smg
 mod peak_alloc;
 
 #[global_allocator]
-static ALLOC: peak_alloc::Counting = peak_alloc::Counting;
+static ALLOC: Alloc = Alloc;
+
+/// Whether allocations are counted now (off while apply is timed, see [`measure`]).
+static COUNTING: AtomicBool = AtomicBool::new(true);
+
+/// The counting allocator, which can be switched off: its counters are shared atomics, two
+/// updates per allocation, which would charge the systems that allocate more for the bench's
+/// bookkeeping (measured: ~7% of Dynamo's `RadixTree` apply, ~2% of kv-epp's).
+struct Alloc;
+
+// SAFETY: delegates every call to an allocator that upholds the contract (the system's, or the
+// counting one over it); a block is freed by the one that allocated it as long as no block
+// allocated uncounted is freed while counting, which `measure` ensures.
+unsafe impl std::alloc::GlobalAlloc for Alloc {
+    unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
+        // SAFETY: forwarded unchanged.
+        unsafe {
+            if COUNTING.load(Ordering::Relaxed) {
+                peak_alloc::Counting.alloc(l)
+            } else {
+                std::alloc::System.alloc(l)
+            }
+        }
+    }
+    unsafe fn alloc_zeroed(&self, l: std::alloc::Layout) -> *mut u8 {
+        // SAFETY: forwarded unchanged.
+        unsafe {
+            if COUNTING.load(Ordering::Relaxed) {
+                peak_alloc::Counting.alloc_zeroed(l)
+            } else {
+                std::alloc::System.alloc_zeroed(l)
+            }
+        }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
+        // SAFETY: forwarded unchanged.
+        unsafe {
+            if COUNTING.load(Ordering::Relaxed) {
+                peak_alloc::Counting.dealloc(p, l)
+            } else {
+                std::alloc::System.dealloc(p, l)
+            }
+        }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: std::alloc::Layout, new: usize) -> *mut u8 {
+        // SAFETY: forwarded unchanged.
+        unsafe {
+            if COUNTING.load(Ordering::Relaxed) {
+                peak_alloc::Counting.realloc(p, l, new)
+            } else {
+                std::alloc::System.realloc(p, l, new)
+            }
+        }
+    }
+}
 
 fn live_bytes() -> usize {
     peak_alloc::live() + MAPPED_BYTES.load(Ordering::Relaxed)
@@ -63,6 +146,12 @@ const SYSTEM_BLOCK: u64 = u64::MAX;
 struct Settings {
     query_rounds: usize,
     reader_window: Duration,
+    /// Fresh builds per system whose apply is timed (the lowest CPU time counts).
+    apply_reps: usize,
+    /// Reader threads pinned to different cores (`--no-pin`: left to the scheduler).
+    pin: bool,
+    /// `--apply-only`: apply figures only (to profile apply).
+    apply_only: bool,
     /// `--only NAME`: measure only that system (for profiling under callgrind); no ratios.
     only: Option<String>,
 }
@@ -71,6 +160,7 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     // `cargo test` runs bench targets without `--bench`: a quick smoke run then.
     let smoke = !args.iter().any(|a| a == "--bench");
+    let quick = args.iter().any(|a| a == "--quick");
     let trace_arg = args
         .iter()
         .position(|a| a == "--trace")
@@ -79,6 +169,14 @@ fn main() {
     let settings = Settings {
         query_rounds: if smoke { 200 } else { 20_000 },
         reader_window: Duration::from_millis(if smoke { 20 } else { 400 }),
+        // `--apply-reps N`: more builds (to profile apply under perf or callgrind).
+        apply_reps: args
+            .iter()
+            .position(|a| a == "--apply-reps")
+            .and_then(|i| args.get(i + 1)?.parse().ok())
+            .unwrap_or(if smoke || quick { 1 } else { 5 }),
+        pin: !args.iter().any(|a| a == "--no-pin"),
+        apply_only: args.iter().any(|a| a == "--apply-only"),
         only: args
             .iter()
             .position(|a| a == "--only")
@@ -110,10 +208,11 @@ fn main() {
     );
     if settings.only.is_none() {
         hashing(smoke);
+        machine_scaling(&settings);
     }
     let shapes: &[(usize, usize)] = if smoke {
         &[(8, 2)]
-    } else if args.iter().any(|a| a == "--quick") {
+    } else if quick {
         &[(256, 1)]
     } else {
         &[(64, 1), (64, 4), (256, 1), (256, 4)]
@@ -164,6 +263,32 @@ fn hashing(smoke: bool) {
             bytes.len() as f64 / full.as_secs_f64() / 1e6,
             bytes.len() as f64 / raw.as_secs_f64() / 1e6,
             if ratio >= 0.6 { "met" } else { "NOT met" }
+        );
+    }
+    // The long-input XXH3 alone, on blocks in cache (256 KiB, hashed over and over): kv-epp's
+    // dispatching `xxh3_64` (AVX2 where the CPU has it) against `xxhash-rust`'s.
+    let hot = &bytes[..bytes.len().min(256 * 1024)];
+    for block in [256usize, 2048, 8192] {
+        let rounds = if smoke { 1 } else { 64 };
+        let run = |f: &dyn Fn(&[u8]) -> u64| {
+            best(&mut || {
+                let mut acc = 0u64;
+                for _ in 0..rounds {
+                    for chunk in hot.chunks_exact(block) {
+                        acc ^= f(black_box(chunk));
+                    }
+                }
+                black_box(acc);
+            })
+        };
+        let ours = run(&|b| kv_epp_core::hashing::xxh3_64(b, seed.0));
+        let theirs = run(&|b| xxhash_rust::xxh3::xxh3_64_with_seed(b, seed.0));
+        let rate = |t: Duration| (hot.len() * rounds) as f64 / t.as_secs_f64() / 1e9;
+        println!(
+            "XXH3-64 of {block}-byte inputs in cache: kv-epp's {:.1} GB/s, xxhash-rust's {:.1} GB/s: {:.2}x",
+            rate(ours),
+            rate(theirs),
+            theirs.as_secs_f64() / ours.as_secs_f64()
         );
     }
     println!();
@@ -245,6 +370,8 @@ struct Prompt {
     seqs: Vec<SequenceHash>,
     /// Local hashes (the peers).
     locals: Vec<u64>,
+    /// The same, as Dynamo's type (so a Dynamo query does not pay for a conversion).
+    dyn_locals: Vec<LocalBlockHash>,
 }
 
 /// The op stream of one shape, with the naive model's final state.
@@ -348,6 +475,7 @@ fn build_stream(trace: &[Request], workers: usize, tenants: usize) -> Stream {
         emit(w, tenant, &ids, &seqs, &mut held, &mut events);
         prompts.push(Prompt {
             seqs: seqs.iter().map(|&s| SequenceHash(s)).collect(),
+            dyn_locals: locals.iter().map(|&l| LocalBlockHash(l)).collect(),
             locals,
         });
     }
@@ -381,8 +509,16 @@ fn naive(stream: &Stream, p: &Prompt) -> Vec<(usize, u32)> {
 /// One system under test.
 trait Index: Sync {
     fn name(&self) -> &'static str;
-    /// Applies every event; single-threaded systems on this thread.
-    fn apply_all(&mut self, stream: &Stream, seeds: &[HashSeed]);
+    /// Builds this system's form of every event, all but the blocks' local hashes (untimed:
+    /// what a decoder would hand it).
+    fn prepare(&mut self, stream: &Stream);
+    /// Applies the prepared events `range` (timed, in order, the whole stream over the calls):
+    /// for each event, the local hash of each block's tokens (kv-epp's `store` computes it
+    /// itself; for the peers this loop does, with [`local_hashes`]), then the system's own
+    /// update.
+    fn apply(&mut self, stream: &Stream, range: Range<usize>, seeds: &[HashSeed]);
+    /// Frees whatever `prepare` built (untimed).
+    fn finish(&mut self) {}
     /// The answer, as (worker index, leading blocks), sorted.
     fn answer(&self, p: &Prompt) -> Vec<(usize, u32)>;
     /// One query, as the hot path runs it (reusing whatever the API lets a caller reuse).
@@ -401,16 +537,31 @@ struct Reuse {
     smg_out: Vec<radix_tree::Overlap>,
 }
 
+/// The local hashes of an event's blocks, as the peers are charged them: the hash they use,
+/// `xxhash-rust`'s XXH3-64 over the tokens' little-endian bytes, read in place (what Dynamo's
+/// `compute_block_hash_for_seq` computes; smg takes whatever its caller computes). The value
+/// equals kv-epp's `hash_block`, which for blocks over 60 tokens runs its own AVX2 loop.
 fn local_hashes(ev: &StoreEvent, seed: HashSeed) -> impl Iterator<Item = u64> + '_ {
     ev.tokens
         .chunks_exact(BLOCK)
-        .map(move |b| hash_block(b, seed).0)
+        .map(move |b| xxhash_rust::xxh3::xxh3_64_with_seed(le_bytes(b), seed.0))
+}
+
+/// The tokens' bytes in place (little-endian targets only, as the peers' hashes read them).
+fn le_bytes(tokens: &[u32]) -> &[u8] {
+    const { assert!(cfg!(target_endian = "little")) };
+    // SAFETY: u32 has no padding and u8 has alignment 1: the same memory, 4x the length.
+    unsafe {
+        std::slice::from_raw_parts(tokens.as_ptr().cast::<u8>(), std::mem::size_of_val(tokens))
+    }
 }
 
 struct KvEpp {
     index: KvIndex,
     ids: Vec<WorkerId>,
     by_id: HashMap<WorkerId, usize>,
+    /// Prepared: each event's engine hashes in the index's type.
+    pending: Vec<Vec<EngineBlockHash>>,
 }
 
 impl KvEpp {
@@ -428,7 +579,12 @@ impl KvEpp {
             index.add_worker(*id);
         }
         let by_id = ids.iter().enumerate().map(|(i, w)| (*w, i)).collect();
-        KvEpp { index, ids, by_id }
+        KvEpp {
+            index,
+            ids,
+            by_id,
+            pending: Vec::new(),
+        }
     }
 }
 
@@ -436,24 +592,39 @@ impl Index for KvEpp {
     fn name(&self) -> &'static str {
         "kv-epp"
     }
-    fn apply_all(&mut self, stream: &Stream, seeds: &[HashSeed]) {
-        let mut hashes = Vec::new();
-        for ev in &stream.events {
-            hashes.clear();
-            hashes.extend(ev.engine_hashes.iter().map(|&h| EngineBlockHash(h)));
+    fn prepare(&mut self, stream: &Stream) {
+        self.pending = stream
+            .events
+            .iter()
+            .map(|ev| {
+                ev.engine_hashes
+                    .iter()
+                    .map(|&h| EngineBlockHash(h))
+                    .collect()
+            })
+            .collect();
+    }
+    fn apply(&mut self, stream: &Stream, range: Range<usize>, seeds: &[HashSeed]) {
+        for (ev, hashes) in stream.events[range.clone()]
+            .iter()
+            .zip(&self.pending[range])
+        {
             self.index
                 .store(
                     &self.ids[ev.worker],
                     &StoreBlocks {
                         parent: ev.parent.map(EngineBlockHash),
                         root_seed: Some(seeds[ev.tenant]),
-                        engine_hashes: &hashes,
+                        engine_hashes: hashes,
                         tokens: &ev.tokens,
                         medium: Medium::Device,
                     },
                 )
                 .expect("store");
         }
+    }
+    fn finish(&mut self) {
+        self.pending = Vec::new();
     }
     fn answer(&self, p: &Prompt) -> Vec<(usize, u32)> {
         // The timed path's answer (compact, slots resolved afterwards) must equal the rows
@@ -488,6 +659,8 @@ struct Smg {
     tree: SmgTree,
     holders: Vec<HolderId>,
     index_of: HashMap<HolderId, usize>,
+    /// Prepared: each event's (engine hash, local hash) pairs, local hashes not yet computed.
+    pending: Vec<Vec<(u64, u64)>>,
 }
 
 impl Smg {
@@ -501,6 +674,7 @@ impl Smg {
             tree,
             holders,
             index_of,
+            pending: Vec::new(),
         }
     }
 }
@@ -509,20 +683,28 @@ impl Index for Smg {
     fn name(&self) -> &'static str {
         "smg-radix-tree"
     }
-    fn apply_all(&mut self, stream: &Stream, seeds: &[HashSeed]) {
-        let mut blocks = Vec::new();
-        for ev in &stream.events {
-            blocks.clear();
-            blocks.extend(
-                ev.engine_hashes
-                    .iter()
-                    .copied()
-                    .zip(local_hashes(ev, seeds[ev.tenant])),
-            );
+    fn prepare(&mut self, stream: &Stream) {
+        self.pending = stream
+            .events
+            .iter()
+            .map(|ev| ev.engine_hashes.iter().map(|&h| (h, 0)).collect())
+            .collect();
+    }
+    fn apply(&mut self, stream: &Stream, range: Range<usize>, seeds: &[HashSeed]) {
+        for (ev, blocks) in stream.events[range.clone()]
+            .iter()
+            .zip(&mut self.pending[range])
+        {
+            for (b, l) in blocks.iter_mut().zip(local_hashes(ev, seeds[ev.tenant])) {
+                b.1 = l;
+            }
             self.tree
-                .store(self.holders[ev.worker], ev.parent, &blocks)
+                .store(self.holders[ev.worker], ev.parent, blocks)
                 .expect("smg store");
         }
+    }
+    fn finish(&mut self) {
+        self.pending = Vec::new();
     }
     fn answer(&self, p: &Prompt) -> Vec<(usize, u32)> {
         let mut reuse = Reuse::default();
@@ -544,14 +726,14 @@ impl Index for Smg {
     }
 }
 
-fn dynamo_event(ev: &StoreEvent, seed: HashSeed, id: u64) -> RouterEvent {
+/// Dynamo's form of an event, its local hashes not yet computed (see [`dynamo_hash`]).
+fn dynamo_event(ev: &StoreEvent, id: u64) -> RouterEvent {
     let blocks = ev
         .engine_hashes
         .iter()
-        .zip(local_hashes(ev, seed))
-        .map(|(&h, l)| KvCacheStoredBlockData {
+        .map(|&h| KvCacheStoredBlockData {
             block_hash: ExternalSequenceBlockHash(h),
-            tokens_hash: LocalBlockHash(l),
+            tokens_hash: LocalBlockHash(0),
             mm_extra_info: None,
         })
         .collect();
@@ -569,6 +751,21 @@ fn dynamo_event(ev: &StoreEvent, seed: HashSeed, id: u64) -> RouterEvent {
     )
 }
 
+fn dynamo_events(stream: &Stream) -> Vec<RouterEvent> {
+    (stream.events.iter().enumerate())
+        .map(|(i, ev)| dynamo_event(ev, i as u64))
+        .collect()
+}
+
+/// Fills in a prepared event's local hashes (the timed part of building it).
+fn dynamo_hash(event: &mut RouterEvent, ev: &StoreEvent, seed: HashSeed) {
+    if let KvCacheEventData::Stored(store) = &mut event.event.data {
+        for (b, l) in store.blocks.iter_mut().zip(local_hashes(ev, seed)) {
+            b.tokens_hash = LocalBlockHash(l);
+        }
+    }
+}
+
 fn dynamo_answer(scores: &dynamo_kv_router::protocols::OverlapScores) -> Vec<(usize, u32)> {
     let mut out: Vec<(usize, u32)> = scores
         .scores
@@ -580,13 +777,9 @@ fn dynamo_answer(scores: &dynamo_kv_router::protocols::OverlapScores) -> Vec<(us
     out
 }
 
-fn dynamo_locals(p: &Prompt) -> Vec<LocalBlockHash> {
-    p.locals.iter().map(|&l| LocalBlockHash(l)).collect()
-}
-
 /// Dynamo's single-threaded tree (not `Sync`: it lives on one thread, as in Dynamo's indexer
 /// task). Wrapped so it can sit beside the others; it is never shared across threads.
-struct DynamoSingle(DynamoTree);
+struct DynamoSingle(DynamoTree, std::vec::IntoIter<RouterEvent>);
 // SAFETY: only ever used from the thread that built it (`shared_reads` is false).
 unsafe impl Sync for DynamoSingle {}
 // SAFETY: as above; it never leaves the building thread.
@@ -596,51 +789,89 @@ impl Index for DynamoSingle {
     fn name(&self) -> &'static str {
         "dynamo RadixTree"
     }
-    fn apply_all(&mut self, stream: &Stream, seeds: &[HashSeed]) {
-        for (i, ev) in stream.events.iter().enumerate() {
-            self.0
-                .apply_event(dynamo_event(ev, seeds[ev.tenant], i as u64))
-                .expect("dynamo store");
+    fn prepare(&mut self, stream: &Stream) {
+        self.1 = dynamo_events(stream).into_iter();
+    }
+    fn apply(&mut self, stream: &Stream, range: Range<usize>, seeds: &[HashSeed]) {
+        // The slice leads the zip: the prepared events are taken only as far as it goes.
+        for (ev, mut event) in stream.events[range].iter().zip(self.1.by_ref()) {
+            dynamo_hash(&mut event, ev, seeds[ev.tenant]);
+            self.0.apply_event(event).expect("dynamo store");
         }
     }
+    fn finish(&mut self) {
+        self.1 = Vec::new().into_iter();
+    }
     fn answer(&self, p: &Prompt) -> Vec<(usize, u32)> {
-        dynamo_answer(&self.0.find_matches(dynamo_locals(p), false))
+        dynamo_answer(&self.0.find_matches(p.dyn_locals.clone(), false))
     }
     fn query(&self, p: &Prompt, _reuse: &mut Reuse) {
-        black_box(self.0.find_matches(dynamo_locals(p), false));
+        // Its query takes the hashes by value: the copy is the API's.
+        black_box(self.0.find_matches(p.dyn_locals.clone(), false));
     }
     fn shared_reads(&self) -> bool {
         false
     }
 }
 
-struct DynamoConcurrent(std::sync::Arc<ConcurrentRadixTreeCompressed>);
+struct DynamoConcurrent {
+    tree: std::sync::Arc<ConcurrentRadixTreeCompressed>,
+    /// Prepared events, the channel to its worker loop and the loop's thread.
+    pending: std::vec::IntoIter<RouterEvent>,
+    tx: Option<flume::Sender<WorkerTask>>,
+    worker: Option<std::thread::JoinHandle<Result<(), String>>>,
+}
 
 impl Index for DynamoConcurrent {
     fn name(&self) -> &'static str {
         "dynamo ConcurrentRadixTree"
     }
-    fn apply_all(&mut self, stream: &Stream, seeds: &[HashSeed]) {
-        // Its writes go through its own worker loop, fed by a channel, as in Dynamo.
+    fn prepare(&mut self, stream: &Stream) {
+        // Its public write path is its worker loop on a thread of its own, fed by a channel,
+        // as in Dynamo; the loop's CPU time counts (the process's).
+        self.pending = dynamo_events(stream).into_iter();
         let (tx, rx) = flume::unbounded();
-        let tree = self.0.clone();
-        let worker = std::thread::spawn(move || tree.worker(rx, None));
-        for (i, ev) in stream.events.iter().enumerate() {
-            tx.send(WorkerTask::Event(dynamo_event(
-                ev,
-                seeds[ev.tenant],
-                i as u64,
-            )))
-            .expect("send");
+        let tree = self.tree.clone();
+        self.worker = Some(std::thread::spawn(move || {
+            tree.worker(rx, None).map_err(|e| e.to_string())
+        }));
+        self.tx = Some(tx);
+    }
+    fn apply(&mut self, stream: &Stream, range: Range<usize>, seeds: &[HashSeed]) {
+        // The range's events, the last one acknowledged: the loop has applied them all when
+        // the acknowledgement arrives.
+        let tx = self.tx.as_ref().expect("prepared");
+        let last = range.end.saturating_sub(1);
+        let mut ack = None;
+        for (i, (ev, mut event)) in
+            (range.start..).zip(stream.events[range].iter().zip(self.pending.by_ref()))
+        {
+            dynamo_hash(&mut event, ev, seeds[ev.tenant]);
+            let task = if i == last {
+                let (resp, rx) = tokio::sync::oneshot::channel();
+                ack = Some(rx);
+                WorkerTask::EventWithAck { event, resp }
+            } else {
+                WorkerTask::Event(event)
+            };
+            tx.send(task).expect("send");
         }
-        drop(tx);
-        worker.join().expect("worker").expect("worker loop");
+        if let Some(ack) = ack {
+            assert!(ack.blocking_recv().expect("acknowledged"), "dynamo store");
+        }
+    }
+    fn finish(&mut self) {
+        self.pending = Vec::new().into_iter();
+        self.tx = None;
+        if let Some(w) = self.worker.take() {
+            w.join().expect("worker").expect("worker loop");
+        }
     }
     fn answer(&self, p: &Prompt) -> Vec<(usize, u32)> {
-        dynamo_answer(&self.0.find_matches(&dynamo_locals(p), false))
+        dynamo_answer(&self.tree.find_matches(&p.dyn_locals, false))
     }
     fn query(&self, p: &Prompt, _reuse: &mut Reuse) {
-        black_box(self.0.find_matches(&dynamo_locals(p), false));
+        black_box(self.tree.find_matches(&p.dyn_locals, false));
     }
 }
 
@@ -648,12 +879,15 @@ impl Index for DynamoConcurrent {
 #[derive(Clone, Copy, Default)]
 struct Figures {
     exact: bool,
-    apply_blocks_per_s: f64,
+    /// Blocks applied per CPU-second of the whole process (every thread), best build.
+    apply_per_cpu_s: f64,
+    /// Blocks applied per wall-clock second, best build.
+    apply_per_wall_s: f64,
     bytes_per_pair: f64,
     p50_ns: f64,
     p99_ns: f64,
-    one_reader_qps: f64,
-    two_reader_qps: f64,
+    one: Readers,
+    two: Readers,
 }
 
 fn percentile(sorted: &[u64], q: f64) -> f64 {
@@ -663,14 +897,145 @@ fn percentile(sorted: &[u64], q: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * q).round() as usize] as f64
 }
 
-fn measure(mut sys: Box<dyn Index>, stream: &Stream, seeds: &[HashSeed], s: &Settings) -> Figures {
+fn clock(id: libc::clockid_t) -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid out-pointer; the clock ids used are always supported on Linux.
+    let rc = unsafe { libc::clock_gettime(id, &mut ts) };
+    assert_eq!(rc, 0, "clock_gettime");
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// CPU time of the whole process: every thread's, including any a system starts itself.
+fn process_cpu() -> Duration {
+    clock(libc::CLOCK_PROCESS_CPUTIME_ID)
+}
+
+/// CPU time of the calling thread.
+fn thread_cpu() -> Duration {
+    clock(libc::CLOCK_THREAD_CPUTIME_ID)
+}
+
+/// Pins the calling thread to CPU `cpu` (best effort: a failure leaves it to the scheduler).
+fn pin_to(cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET stays within it (cpu is checked).
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if cpu < libc::CPU_SETSIZE as usize {
+            libc::CPU_SET(cpu, &mut set);
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+        }
+    }
+}
+
+/// The CPUs this process may run on.
+fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: a zeroed cpu_set_t is a valid out-buffer of the size passed.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Vec::new();
+        }
+        (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| libc::CPU_ISSET(c, &set))
+            .collect()
+    }
+}
+
+/// Tokens per timed chunk of events: 128 KiB, in a core's L2 cache beside the index's own
+/// data (chunks of 512 KiB and 2 MiB made every system's apply 10-30% slower here: the tokens
+/// pushed the systems' tables out of the cache; in service one event's tokens are a few KiB).
+const CHUNK_TOKENS: usize = 32 * 1024;
+
+/// Runs `apply` over the stream's events in consecutive chunks of about [`CHUNK_TOKENS`]
+/// tokens, each chunk's tokens read once just before (untimed): as in service, where an event's
+/// tokens were just decoded from the wire when it is applied, so hashing them reads cache, not
+/// memory. Returns the process's CPU time and the wall-clock time spent in `apply`.
+fn timed_apply(stream: &Stream, mut apply: impl FnMut(Range<usize>)) -> (Duration, Duration) {
+    let (mut cpu, mut wall) = (Duration::ZERO, Duration::ZERO);
+    let mut start = 0;
+    while start < stream.events.len() {
+        let mut end = start;
+        let mut tokens = 0;
+        while end < stream.events.len() && (end == start || tokens < CHUNK_TOKENS) {
+            tokens += stream.events[end].tokens.len();
+            end += 1;
+        }
+        let mut sum = 0u32;
+        for ev in &stream.events[start..end] {
+            sum = ev.tokens.iter().fold(sum, |a, &t| a.wrapping_add(t));
+        }
+        black_box(sum);
+        let (c, w) = (process_cpu(), Instant::now());
+        apply(start..end);
+        wall += w.elapsed();
+        cpu += process_cpu().saturating_sub(c);
+        start = end;
+    }
+    (cpu, wall)
+}
+
+/// What [`timed_apply`] itself costs over this stream (its clock reads), best of `reps`.
+fn clock_overhead(stream: &Stream, reps: usize) -> (Duration, Duration) {
+    (0..reps.max(1))
+        .map(|_| {
+            timed_apply(stream, |r| {
+                black_box(r);
+            })
+        })
+        .min()
+        .unwrap_or_default()
+}
+
+/// Measures one system: apply (best of `apply_reps` fresh builds, by CPU time, uncounted), then,
+/// on one more build, memory after reclamation, exactness, query latency and reader throughput.
+fn measure(
+    make: &dyn Fn() -> Box<dyn Index>,
+    stream: &Stream,
+    seeds: &[HashSeed],
+    s: &Settings,
+    overhead: (Duration, Duration),
+) -> (&'static str, Figures) {
     let mut f = Figures::default();
+    let blocks: usize = stream.events.iter().map(|e| e.engine_hashes.len()).sum();
+    let mut best_cpu = Duration::MAX;
+    let mut best_wall = Duration::MAX;
+    // The timed builds, uncounted (see `Alloc`); each is dropped and its deferred frees run
+    // before counting resumes, so no block allocated uncounted is freed while counting.
+    COUNTING.store(false, Ordering::SeqCst);
+    for _ in 0..s.apply_reps.max(1) {
+        let mut sys = make();
+        sys.prepare(stream);
+        let (cpu, wall) = timed_apply(stream, |r| sys.apply(stream, r, seeds));
+        sys.finish();
+        best_cpu = best_cpu.min(cpu.saturating_sub(overhead.0));
+        best_wall = best_wall.min(wall.saturating_sub(overhead.1));
+        drop(sys);
+        settle();
+    }
+    COUNTING.store(true, Ordering::SeqCst);
+    f.apply_per_cpu_s = blocks as f64 / best_cpu.as_secs_f64().max(1e-9);
+    f.apply_per_wall_s = blocks as f64 / best_wall.as_secs_f64().max(1e-9);
+    let name = make().name();
+    if s.apply_only {
+        println!(
+            "  {name:<28} apply {:>5.2} M blocks/CPU-s ({:>5.2} M/wall-s)",
+            f.apply_per_cpu_s / 1e6,
+            f.apply_per_wall_s / 1e6
+        );
+        return (name, f);
+    }
+    // One more build, counted and untimed: its memory, then its answers and queries. Counted
+    // from after its construction: the prepared events are freed (or moved into the index) by
+    // `finish`, so what stays is the index's.
+    let mut sys = make();
     settle();
     let before = live_bytes();
-    let blocks: usize = stream.events.iter().map(|e| e.engine_hashes.len()).sum();
-    let t = Instant::now();
-    sys.apply_all(stream, seeds);
-    f.apply_blocks_per_s = blocks as f64 / t.elapsed().as_secs_f64();
+    sys.prepare(stream);
+    timed_apply(stream, |r| sys.apply(stream, r, seeds));
+    sys.finish();
     settle();
     f.bytes_per_pair = live_bytes().saturating_sub(before) as f64 / stream.pairs as f64;
     // Exactness first: every prompt of the stream against the naive model.
@@ -683,11 +1048,10 @@ fn measure(mut sys: Box<dyn Index>, stream: &Stream, seeds: &[HashSeed], s: &Set
     f.exact = wrong == 0;
     if !f.exact {
         println!(
-            "  {:<28} NOT EXACT: {wrong} of {} answers differ from the naive model (figures withheld)",
-            sys.name(),
+            "  {name:<28} NOT EXACT: {wrong} of {} answers differ from the naive model (figures withheld)",
             stream.prompts.len()
         );
-        return f;
+        return (name, f);
     }
     let mut reuse = Reuse::default();
     for p in stream.prompts.iter().take(200) {
@@ -704,40 +1068,128 @@ fn measure(mut sys: Box<dyn Index>, stream: &Stream, seeds: &[HashSeed], s: &Set
     f.p50_ns = percentile(&lat, 0.50);
     f.p99_ns = percentile(&lat, 0.99);
     if sys.shared_reads() {
-        f.one_reader_qps = readers(&*sys, stream, 1, s.reader_window);
-        f.two_reader_qps = readers(&*sys, stream, 2, s.reader_window);
+        let query = |i: usize, reuse: &mut Reuse| {
+            sys.query(&stream.prompts[i % stream.prompts.len()], reuse)
+        };
+        f.one = readers(&query, 1, s);
+        f.two = readers(&query, 2, s);
     }
     drop(sys);
-    f
+    (name, f)
 }
 
-/// Queries per second over `threads` reader threads (best of three windows).
-fn readers(sys: &dyn Index, stream: &Stream, threads: usize, window: Duration) -> f64 {
-    (0..3)
-        .map(|_| {
-            let stop = AtomicBool::new(false);
-            let done = AtomicUsize::new(0);
-            std::thread::scope(|scope| {
-                for t in 0..threads {
-                    let (stop, done) = (&stop, &done);
+/// Reader threads' throughput over one window (the best of three).
+#[derive(Clone, Copy, Default)]
+struct Readers {
+    /// Queries per wall-clock second, all threads together.
+    qps: f64,
+    /// Queries per CPU-second the reader threads got (contention lowers it; a busy machine
+    /// that gives the readers less CPU does not).
+    per_cpu_s: f64,
+    /// The readers' CPU time over `threads ×` the window: below 1, they waited for a core.
+    cpu_share: f64,
+}
+
+impl Readers {
+    /// Two readers over one: (throughput, throughput per reader-CPU-second).
+    fn ratio(two: Readers, one: Readers) -> (f64, f64) {
+        (two.qps / one.qps, two.per_cpu_s / one.per_cpu_s)
+    }
+}
+
+/// `threads` threads calling `query(i, reuse)` for a window (pinned to different cores unless
+/// `--no-pin`), best of three windows for each figure.
+fn readers(query: &(dyn Fn(usize, &mut Reuse) + Sync), threads: usize, s: &Settings) -> Readers {
+    let cpus = allowed_cpus();
+    let mut best = Readers::default();
+    for _ in 0..3 {
+        let go = AtomicBool::new(false);
+        let stop = AtomicBool::new(false);
+        let ready = AtomicUsize::new(0);
+        let (n, cpu) = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..threads)
+                .map(|t| {
+                    let (go, stop, ready) = (&go, &stop, &ready);
+                    let cpu = (s.pin && !cpus.is_empty()).then(|| cpus[t % cpus.len()]);
                     scope.spawn(move || {
+                        if let Some(c) = cpu {
+                            pin_to(c);
+                        }
                         let mut reuse = Reuse::default();
                         let mut i = t * 104_729;
-                        let mut n = 0;
+                        query(i, &mut reuse); // sizes the buffers before the window
+                        ready.fetch_add(1, Ordering::Relaxed);
+                        while !go.load(Ordering::Acquire) {
+                            std::hint::spin_loop();
+                        }
+                        let c0 = thread_cpu();
+                        let mut n = 0usize;
                         while !stop.load(Ordering::Relaxed) {
-                            sys.query(&stream.prompts[i % stream.prompts.len()], &mut reuse);
+                            query(i, &mut reuse);
                             i += 7919;
                             n += 1;
                         }
-                        done.fetch_add(n, Ordering::Relaxed);
-                    });
-                }
-                std::thread::sleep(window);
-                stop.store(true, Ordering::Relaxed);
-            });
-            done.load(Ordering::Relaxed) as f64 / window.as_secs_f64()
+                        (n, thread_cpu().saturating_sub(c0))
+                    })
+                })
+                .collect();
+            while ready.load(Ordering::Relaxed) < threads {
+                std::thread::yield_now();
+            }
+            go.store(true, Ordering::Release);
+            std::thread::sleep(s.reader_window);
+            stop.store(true, Ordering::Relaxed);
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("reader"))
+                .fold((0usize, Duration::ZERO), |(n, c), (m, d)| (n + m, c + d))
+        });
+        let window = s.reader_window.as_secs_f64();
+        best.qps = best.qps.max(n as f64 / window);
+        best.per_cpu_s = best.per_cpu_s.max(n as f64 / cpu.as_secs_f64().max(1e-9));
+        best.cpu_share = best
+            .cpu_share
+            .max(cpu.as_secs_f64() / (threads as f64 * window));
+    }
+    best
+}
+
+/// The machine's own two-thread scaling, as a yardstick for the readers' figures: each thread
+/// reads random words of a private 16 MiB array (no shared line is written). Near 2.0x (and
+/// near 1.0x per CPU-second) when two cores are free.
+fn machine_scaling(s: &Settings) {
+    const WORDS: usize = 1 << 21;
+    let arrays: Vec<Vec<u64>> = (0..2)
+        .map(|t| {
+            let mut r = t as u64 + 11;
+            (0..WORDS).map(|_| splitmix(&mut r)).collect()
         })
-        .fold(0.0, f64::max)
+        .collect();
+    let which = AtomicUsize::new(0);
+    let query = |i: usize, _: &mut Reuse| {
+        // The thread's own array: the first call of each thread takes the next one.
+        thread_local!(static MINE: std::cell::Cell<usize> = const { std::cell::Cell::new(usize::MAX) });
+        let a = MINE.with(|m| {
+            if m.get() == usize::MAX {
+                m.set(which.fetch_add(1, Ordering::Relaxed) % arrays.len());
+            }
+            m.get()
+        });
+        let arr = &arrays[a];
+        let mut x = i as u64;
+        for _ in 0..64 {
+            x = arr[(x as usize ^ i) % WORDS].wrapping_add(x);
+        }
+        black_box(x);
+    };
+    let one = readers(&query, 1, s);
+    let two = readers(&query, 2, s);
+    let (wall, per_cpu) = Readers::ratio(two, one);
+    println!(
+        "machine yardstick (private memory, nothing shared): two threads / one {wall:.2}x, per reader-CPU-second {per_cpu:.2}x, readers' CPU share with two {:.2} (1.00: each had a core){}\n",
+        two.cpu_share,
+        if s.pin { "" } else { ", unpinned" }
+    );
 }
 
 /// Lets epoch-deferred frees run, so retired tables are not counted.
@@ -761,47 +1213,79 @@ fn run_shape(trace: &[Request], workers: usize, tenants: usize, s: &Settings) {
     let systems: Vec<Box<dyn Fn() -> Box<dyn Index>>> = vec![
         Box::new(move || Box::new(KvEpp::new(workers))),
         Box::new(move || Box::new(Smg::new(workers))),
-        Box::new(|| Box::new(DynamoSingle(DynamoTree::new()))),
+        Box::new(|| Box::new(DynamoSingle(DynamoTree::new(), Vec::new().into_iter()))),
         Box::new(|| {
-            Box::new(DynamoConcurrent(std::sync::Arc::new(
-                ConcurrentRadixTreeCompressed::new(),
-            )))
+            Box::new(DynamoConcurrent {
+                tree: std::sync::Arc::new(ConcurrentRadixTreeCompressed::new()),
+                pending: Vec::new().into_iter(),
+                tx: None,
+                worker: None,
+            })
         }),
     ];
+    // What every system's apply starts with: the blocks' local hashes alone, timed the same way
+    // (the peers' XXH3, and kv-epp's `hash_block`).
+    let overhead = clock_overhead(&stream, s.apply_reps);
+    let hash_ns = |kv: bool| {
+        let cpu = (0..s.apply_reps.max(1))
+            .map(|_| {
+                timed_apply(&stream, |r| {
+                    for ev in &stream.events[r] {
+                        if kv {
+                            for b in ev.tokens.chunks_exact(BLOCK) {
+                                black_box(hash_block(b, seeds[ev.tenant]));
+                            }
+                        } else {
+                            for l in local_hashes(ev, seeds[ev.tenant]) {
+                                black_box(l);
+                            }
+                        }
+                    }
+                })
+                .0
+            })
+            .min()
+            .unwrap_or_default();
+        cpu.saturating_sub(overhead.0).as_secs_f64() * 1e9 / blocks as f64
+    };
+    let (peer_hash_ns, kv_hash_ns) = (hash_ns(false), hash_ns(true));
+    println!(
+        "  the blocks' local hashes alone: {peer_hash_ns:.0} ns per block of CPU (xxhash-rust, charged to the peers), {kv_hash_ns:.0} ns (kv-epp's hash_block)"
+    );
     let mut all = Vec::new();
     for make in &systems {
-        let sys = make();
-        let name = sys.name();
+        let name = make().name();
         if s.only.as_deref().is_some_and(|o| o != name) {
             continue;
         }
-        let f = measure(sys, &stream, &seeds, s);
+        let (name, f) = measure(&**make, &stream, &seeds, s, overhead);
         if f.exact {
-            let two = if f.one_reader_qps > 0.0 {
-                format!("{:>5.2}x", f.two_reader_qps / f.one_reader_qps)
+            let two = if f.one.qps > 0.0 {
+                let (wall, per_cpu) = Readers::ratio(f.two, f.one);
+                format!("{wall:>5.2}x ({per_cpu:.2}x per CPU-s)")
             } else {
-                "   n/a".to_string()
+                "  n/a".to_string()
             };
             println!(
-                "  {name:<28} query p50 {:>7.2} µs  p99 {:>7.2} µs   memory {:>7.1} B/(worker,block)   apply {:>6.2} M blocks/s   two readers {two}",
+                "  {name:<28} query p50 {:>7.2} µs  p99 {:>7.2} µs   memory {:>7.1} B/(worker,block)   apply {:>5.2} M blocks/CPU-s ({:>5.2} M/wall-s)   two readers {two}",
                 f.p50_ns / 1e3,
                 f.p99_ns / 1e3,
                 f.bytes_per_pair,
-                f.apply_blocks_per_s / 1e6,
+                f.apply_per_cpu_s / 1e6,
+                f.apply_per_wall_s / 1e6,
             );
         }
         all.push((name, f));
     }
-    if s.only.is_some() {
+    if s.only.is_some() || s.apply_only {
         return; // profiling one system: no ratios, no writer or churn figures
     }
     let kv = all[0].1;
     let smg = all[1].1;
-    let fastest_apply = all[1..]
+    let fastest = all[1..]
         .iter()
         .filter(|(_, f)| f.exact)
-        .map(|(_, f)| f.apply_blocks_per_s)
-        .fold(0.0, f64::max);
+        .max_by(|a, b| a.1.apply_per_cpu_s.total_cmp(&b.1.apply_per_cpu_s));
     if kv.exact && smg.exact {
         let check = |ok: bool| if ok { "met" } else { "NOT met" };
         let (p50, p99, mem) = (
@@ -809,8 +1293,11 @@ fn run_shape(trace: &[Request], workers: usize, tenants: usize, s: &Settings) {
             kv.p99_ns / smg.p99_ns,
             kv.bytes_per_pair / smg.bytes_per_pair,
         );
-        let apply = kv.apply_blocks_per_s / fastest_apply;
-        let two = kv.two_reader_qps / kv.one_reader_qps;
+        let (fastest_name, fastest) =
+            fastest.map_or(("none", Figures::default()), |(n, f)| (*n, *f));
+        let apply = kv.apply_per_cpu_s / fastest.apply_per_cpu_s;
+        let apply_wall = kv.apply_per_wall_s / fastest.apply_per_wall_s;
+        let (two, two_cpu) = Readers::ratio(kv.two, kv.one);
         println!("  kv-epp ratios:");
         println!(
             "    query p50 / smg's              {p50:>5.2}x   (goal <= 0.8: {})",
@@ -825,12 +1312,18 @@ fn run_shape(trace: &[Request], workers: usize, tenants: usize, s: &Settings) {
             check(mem <= 0.8)
         );
         println!(
-            "    apply per core / fastest peer  {apply:>5.2}x   (goal >= 1.2: {})",
+            "    apply per core / fastest peer  {apply:>5.2}x   (goal >= 1.2: {}; per CPU-second, against {fastest_name}; by wall clock {apply_wall:.2}x)",
             check(apply >= 1.2)
         );
         println!(
-            "    two readers / one              {two:>5.2}x   (goal >= 1.6: {})",
-            check(two >= 1.6)
+            "      beyond the local hash: kv-epp {:.0} ns per block, {fastest_name} {:.0} ns",
+            1e9 / kv.apply_per_cpu_s - kv_hash_ns,
+            1e9 / fastest.apply_per_cpu_s - peer_hash_ns,
+        );
+        println!(
+            "    two readers / one              {two:>5.2}x   (goal >= 1.6: {}; per reader-CPU-second {two_cpu:.2}x, readers' CPU share with two {:.2})",
+            check(two >= 1.6),
+            kv.two.cpu_share
         );
         for (name, f) in &all[2..] {
             if f.exact {

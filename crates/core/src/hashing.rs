@@ -88,9 +88,202 @@ pub fn hash_block(block: &[u32], seed: HashSeed) -> LocalBlockHash {
     if let Ok(block) = <&[u32; 16]>::try_from(block) {
         return Block16::new(seed).hash(block);
     }
-    LocalBlockHash(with_le_bytes(block, |bytes| {
-        xxh3_64_with_seed(bytes, seed.0)
-    }))
+    LocalBlockHash(with_le_bytes(block, |bytes| xxh3_64(bytes, seed.0)))
+}
+
+/// `xxh3_64_with_seed`, bit for bit, with inputs over 240 bytes (blocks of more than 60 tokens:
+/// SGLang's and TensorRT-LLM's pages of 64 tokens and up, the 512-token blocks of long-context
+/// deployments) hashed by [`long`]'s AVX2 loop when the CPU has AVX2: `xxhash-rust` is built
+/// for the target's baseline (SSE2 on x86-64), whose long-input loop does half the work per
+/// instruction.
+#[inline]
+pub fn xxh3_64(bytes: &[u8], seed: u64) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if bytes.len() > long::MIN_LEN && std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 is present (checked just above); the input is long enough.
+        return unsafe { long::xxh3_64_avx2(bytes, seed) };
+    }
+    xxh3_64_with_seed(bytes, seed)
+}
+
+/// XXH3-64's path for inputs over 240 bytes, written for AVX2 from the XXH3 specification.
+///
+/// The input is read in 64-byte stripes; each stripe is mixed into eight 64-bit accumulators
+/// (two AVX2 registers) against the secret, moving 8 bytes along the secret per stripe; every
+/// 16 stripes (a 1 KiB block) the accumulators are scrambled with the secret's last 64 bytes.
+/// The tail's whole stripes follow, then the input's last 64 bytes (overlapping), then the eight
+/// accumulators are merged to one word and avalanched. The secret is XXH3's default one with the
+/// seed added to its low and subtracted from its high words, as `xxh3_64_with_seed` derives it.
+#[cfg(target_arch = "x86_64")]
+mod long {
+    use std::arch::x86_64::{
+        __m256i, _mm256_add_epi64, _mm256_loadu_si256, _mm256_mul_epu32, _mm256_set_epi64x,
+        _mm256_set1_epi32, _mm256_shuffle_epi32, _mm256_slli_epi64, _mm256_srli_epi64,
+        _mm256_storeu_si256, _mm256_xor_si256,
+    };
+
+    /// Longest input XXH3 hashes by its short and mid-size paths.
+    pub(super) const MIN_LEN: usize = 240;
+    const STRIPE: usize = 64;
+    const SECRET_LEN: usize = 192;
+    /// Stripes per block: the secret advances 8 bytes per stripe within its first 128 bytes.
+    const STRIPES_PER_BLOCK: usize = (SECRET_LEN - STRIPE) / 8;
+    const BLOCK_LEN: usize = STRIPE * STRIPES_PER_BLOCK;
+    /// Where the last stripe's secret starts, counted back from the end of the secret.
+    const LAST_STRIPE_BACK: usize = STRIPE + 7;
+    /// Where the merge's secret starts.
+    const MERGE_AT: usize = 11;
+
+    const PRIME32_1: u64 = 0x9e37_79b1;
+    const PRIME32_2: u64 = 0x85eb_ca77;
+    const PRIME32_3: u64 = 0xc2b2_ae3d;
+    const PRIME64_1: u64 = 0x9e37_79b1_85eb_ca87;
+    const PRIME64_2: u64 = 0xc2b2_ae3d_27d4_eb4f;
+    const PRIME64_3: u64 = 0x1656_67b1_9e37_79f9;
+    const PRIME64_4: u64 = 0x85eb_ca77_c2b2_ae63;
+    const PRIME64_5: u64 = 0x27d4_eb2f_1656_67c5;
+
+    /// XXH3's default secret (`kSecret`), 192 bytes.
+    const DEFAULT_SECRET: [u8; SECRET_LEN] = [
+        0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c, 0xf7, 0x21, 0xad,
+        0x1c, 0xde, 0xd4, 0x6d, 0xe9, 0x83, 0x90, 0x97, 0xdb, 0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3,
+        0x67, 0x1f, 0xcb, 0x79, 0xe6, 0x4e, 0xcc, 0xc0, 0xe5, 0x78, 0x82, 0x5a, 0xd0, 0x7d, 0xcc,
+        0xff, 0x72, 0x21, 0xb8, 0x08, 0x46, 0x74, 0xf7, 0x43, 0x24, 0x8e, 0xe0, 0x35, 0x90, 0xe6,
+        0x81, 0x3a, 0x26, 0x4c, 0x3c, 0x28, 0x52, 0xbb, 0x91, 0xc3, 0x00, 0xcb, 0x88, 0xd0, 0x65,
+        0x8b, 0x1b, 0x53, 0x2e, 0xa3, 0x71, 0x64, 0x48, 0x97, 0xa2, 0x0d, 0xf9, 0x4e, 0x38, 0x19,
+        0xef, 0x46, 0xa9, 0xde, 0xac, 0xd8, 0xa8, 0xfa, 0x76, 0x3f, 0xe3, 0x9c, 0x34, 0x3f, 0xf9,
+        0xdc, 0xbb, 0xc7, 0xc7, 0x0b, 0x4f, 0x1d, 0x8a, 0x51, 0xe0, 0x4b, 0xcd, 0xb4, 0x59, 0x31,
+        0xc8, 0x9f, 0x7e, 0xc9, 0xd9, 0x78, 0x73, 0x64, 0xea, 0xc5, 0xac, 0x83, 0x34, 0xd3, 0xeb,
+        0xc3, 0xc5, 0x81, 0xa0, 0xff, 0xfa, 0x13, 0x63, 0xeb, 0x17, 0x0d, 0xdd, 0x51, 0xb7, 0xf0,
+        0xda, 0x49, 0xd3, 0x16, 0x55, 0x26, 0x29, 0xd4, 0x68, 0x9e, 0x2b, 0x16, 0xbe, 0x58, 0x7d,
+        0x47, 0xa1, 0xfc, 0x8f, 0xf8, 0xb8, 0xd1, 0x7a, 0xd0, 0x31, 0xce, 0x45, 0xcb, 0x3a, 0x8f,
+        0x95, 0x16, 0x04, 0x28, 0xaf, 0xd7, 0xfb, 0xca, 0xbb, 0x4b, 0x40, 0x7e,
+    ];
+
+    /// XXH3-64 of `input` (longer than [`MIN_LEN`]) under `seed`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn xxh3_64_avx2(input: &[u8], seed: u64) -> u64 {
+        let len = input.len();
+        assert!(len > MIN_LEN, "the long path needs more than 240 bytes");
+        // The seeded secret: + seed on each 16 bytes' low word, - seed on the high one.
+        let mut secret = [0u8; SECRET_LEN];
+        let seeds = _mm256_set_epi64x(
+            seed.wrapping_neg() as i64,
+            seed as i64,
+            seed.wrapping_neg() as i64,
+            seed as i64,
+        );
+        for i in (0..SECRET_LEN).step_by(32) {
+            // SAFETY: i + 32 <= SECRET_LEN for both arrays; unaligned loads and stores.
+            unsafe {
+                let k = _mm256_loadu_si256(DEFAULT_SECRET.as_ptr().add(i).cast());
+                _mm256_storeu_si256(
+                    secret.as_mut_ptr().add(i).cast(),
+                    _mm256_add_epi64(k, seeds),
+                );
+            }
+        }
+        let mut acc = [
+            _mm256_set_epi64x(
+                PRIME64_3 as i64,
+                PRIME64_2 as i64,
+                PRIME64_1 as i64,
+                PRIME32_3 as i64,
+            ),
+            _mm256_set_epi64x(
+                PRIME32_1 as i64,
+                PRIME64_5 as i64,
+                PRIME32_2 as i64,
+                PRIME64_4 as i64,
+            ),
+        ];
+        let blocks = (len - 1) / BLOCK_LEN;
+        for b in 0..blocks {
+            for s in 0..STRIPES_PER_BLOCK {
+                accumulate(
+                    &mut acc,
+                    &input[b * BLOCK_LEN + s * STRIPE..][..STRIPE],
+                    &secret[s * 8..][..STRIPE],
+                );
+            }
+            scramble(&mut acc, &secret[SECRET_LEN - STRIPE..]);
+        }
+        let tail_stripes = (len - 1 - blocks * BLOCK_LEN) / STRIPE;
+        for s in 0..tail_stripes {
+            accumulate(
+                &mut acc,
+                &input[blocks * BLOCK_LEN + s * STRIPE..][..STRIPE],
+                &secret[s * 8..][..STRIPE],
+            );
+        }
+        accumulate(
+            &mut acc,
+            &input[len - STRIPE..],
+            &secret[SECRET_LEN - LAST_STRIPE_BACK..][..STRIPE],
+        );
+        let mut words = [0u64; 8];
+        // SAFETY: `words` is 64 bytes: two unaligned 32-byte stores.
+        unsafe {
+            _mm256_storeu_si256(words.as_mut_ptr().cast(), acc[0]);
+            _mm256_storeu_si256(words.as_mut_ptr().add(4).cast(), acc[1]);
+        }
+        let key = |i: usize| {
+            let at = MERGE_AT + 8 * i;
+            u64::from_le_bytes(secret[at..at + 8].try_into().expect("8 bytes"))
+        };
+        let mut h = (len as u64).wrapping_mul(PRIME64_1);
+        for i in 0..4 {
+            let p = u128::from(words[2 * i] ^ key(2 * i))
+                * u128::from(words[2 * i + 1] ^ key(2 * i + 1));
+            h = h.wrapping_add((p as u64) ^ ((p >> 64) as u64));
+        }
+        super::avalanche(h)
+    }
+
+    /// Mixes one 64-byte stripe into the accumulators: lane `i` gains the product of the low
+    /// and high halves of `input[i] ^ secret[i]`, and lane `i ^ 1` gains `input[i]`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn accumulate(acc: &mut [__m256i; 2], input: &[u8], secret: &[u8]) {
+        assert!(input.len() >= STRIPE && secret.len() >= STRIPE);
+        for (j, a) in acc.iter_mut().enumerate() {
+            // SAFETY: bytes 32j..32j+32 of both slices are in bounds (checked above).
+            let (data, key) = unsafe {
+                (
+                    _mm256_loadu_si256(input.as_ptr().add(32 * j).cast()),
+                    _mm256_loadu_si256(secret.as_ptr().add(32 * j).cast()),
+                )
+            };
+            let mixed = _mm256_xor_si256(data, key);
+            // Each lane's high half moved down (a shift, not a shuffle: shuffles have one
+            // port, which the swap below already uses), so one 32x32->64 multiply per lane.
+            let high = _mm256_srli_epi64(mixed, 32);
+            let product = _mm256_mul_epu32(mixed, high);
+            // Lanes swapped in pairs: lane i gets input lane i ^ 1.
+            let swapped = _mm256_shuffle_epi32(data, 0b01_00_11_10);
+            *a = _mm256_add_epi64(*a, _mm256_add_epi64(swapped, product));
+        }
+    }
+
+    /// The accumulators after each block: `((a ^ (a >> 47)) ^ secret) * PRIME32_1` per lane.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn scramble(acc: &mut [__m256i; 2], secret: &[u8]) {
+        assert!(secret.len() >= STRIPE);
+        let prime = _mm256_set1_epi32(PRIME32_1 as i32);
+        for (j, a) in acc.iter_mut().enumerate() {
+            // SAFETY: bytes 32j..32j+32 of `secret` are in bounds (checked above).
+            let key = unsafe { _mm256_loadu_si256(secret.as_ptr().add(32 * j).cast()) };
+            let mixed = _mm256_xor_si256(_mm256_xor_si256(*a, _mm256_srli_epi64(*a, 47)), key);
+            // A 64x32-bit multiply from two 32x32->64 ones: low half, plus high half shifted.
+            let low = _mm256_mul_epu32(mixed, prime);
+            let high = _mm256_mul_epu32(_mm256_srli_epi64(mixed, 32), prime);
+            *a = _mm256_add_epi64(low, _mm256_slli_epi64(high, 32));
+        }
+    }
 }
 
 /// XXH3-64 of exactly 64 bytes (one block of 16 tokens) under one seed, written out.
@@ -257,7 +450,7 @@ pub fn prompt_hashes(
         return chained_16(tokens.as_chunks::<16>().0, Block16::new(seed));
     }
     chained(tokens.chunks_exact(block_size), |b| {
-        LocalBlockHash(with_le_bytes(b, |bytes| xxh3_64_with_seed(bytes, seed.0)))
+        LocalBlockHash(with_le_bytes(b, |bytes| xxh3_64(bytes, seed.0)))
     })
 }
 
@@ -579,6 +772,82 @@ mod tests {
             assert_eq!(locals, generic[..blocks]);
             assert_eq!(seqs, want[..blocks]);
             assert_eq!(local_block_hashes(prompt, 16, seed), generic[..blocks]);
+        }
+    }
+
+    /// The dispatching hash (AVX2 for long inputs where the CPU has it) is XXH3-64, bit for bit:
+    /// every length around the path and block boundaries, then random lengths and seeds.
+    #[test]
+    fn the_long_input_path_is_xxh3() {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let bytes: Vec<u8> = (0..8192 + 128).map(|_| next() as u8).collect();
+        let seeds = [
+            0,
+            1,
+            BASE_SEED,
+            u64::MAX,
+            HashSeed::new(Some("a"), Some("t")).0,
+        ];
+        let mut lengths: Vec<usize> = (0..=300).collect();
+        for edge in [1024usize, 2048, 3072, 4096, 8192] {
+            lengths.extend(edge - 65..=edge + 65);
+        }
+        for &len in &lengths {
+            for &seed in &seeds {
+                assert_eq!(
+                    xxh3_64(&bytes[..len], seed),
+                    xxh3_64_with_seed(&bytes[..len], seed),
+                    "length {len}, seed {seed:#x}"
+                );
+            }
+        }
+        // Unaligned starts too.
+        for start in 1..8 {
+            let b = &bytes[start..start + 2048];
+            assert_eq!(xxh3_64(b, 7), xxh3_64_with_seed(b, 7));
+        }
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // The AVX2 loop itself, whatever the dispatch decides.
+            for len in [241, 1024, 1025, 2048, 5000, 8192] {
+                // SAFETY: AVX2 is present; len > 240.
+                let got = unsafe { long::xxh3_64_avx2(&bytes[..len], BASE_SEED) };
+                assert_eq!(got, xxh3_64_with_seed(&bytes[..len], BASE_SEED));
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: 256,
+            rng_seed: proptest::test_runner::RngSeed::Fixed(0x7878_6833),
+            failure_persistence: None,
+            ..proptest::prelude::ProptestConfig::default()
+        })]
+        #[test]
+        fn any_input_hashes_as_xxh3(
+            bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..8192),
+            seed in proptest::num::u64::ANY,
+        ) {
+            proptest::prop_assert_eq!(xxh3_64(&bytes, seed), xxh3_64_with_seed(&bytes, seed));
+        }
+
+        #[test]
+        fn long_blocks_hash_as_xxh3_of_their_bytes(
+            tokens in proptest::collection::vec(proptest::num::u32::ANY, 61..2048),
+            seed in proptest::num::u64::ANY,
+        ) {
+            let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+            let want = xxh3_64_with_seed(&bytes, seed);
+            proptest::prop_assert_eq!(hash_block(&tokens, HashSeed(seed)).0, want);
+            let (locals, _) = prompt_hashes(&tokens, tokens.len(), HashSeed(seed));
+            proptest::prop_assert_eq!(locals, vec![LocalBlockHash(want)]);
         }
     }
 

@@ -6,7 +6,7 @@
 //!
 //! Concurrency: the table is split into a few shards by the key's top bits (few, so that each
 //! shard's array is large enough for huge pages). Writers take the shard's mutex; readers take no
-//! lock and never wait, retry or spin: a slot's key is written before its holder is published
+//! lock and never wait or spin: a slot's key is written before its holder is published
 //! (release/acquire) and never changes while the slot is in that table, and pairs never move
 //! inside a table. A removed pair leaves a tombstone that keeps its key (only a pair of the same
 //! key may take it again), so a probe run never breaks under a reader. Growing, shrinking or
@@ -24,7 +24,10 @@
 //! would also lengthen every lookup that lands in it), and 256 holders cost 64 bytes of bits
 //! instead of 256 slots. A record whose holders fall to a quarter of the threshold moves back
 //! into slots. Moving either way publishes the new form before retiring the old, so a reader
-//! meanwhile may see a pair twice (never not at all); readers take the union.
+//! meanwhile may see a pair twice (never not at all); readers take the union. A reader that
+//! meets a reference to a record retired meanwhile (its own table may be an older one, which
+//! still has the reference but not the slots the holders moved to) looks for the key again in
+//! the shard's current table: the one retry a reader makes, and only after a writer finished.
 //!
 //! Invariants: a holder value of 0 marks an empty slot and [`TOMBSTONE`] a removed pair, so
 //! tiers are never 0 in a stored holder, and a non-empty holder without tier bits refers to a
@@ -58,6 +61,10 @@ pub const MAX_SLOTS: u32 = (1 << 29) - 1;
 /// cleared in a table (a stale bit only means a longer scan); a rebuild sets it afresh.
 /// Invariant: every live slot of a key but the last in its run carries it.
 const MORE: u32 = 0b100;
+
+/// Rescans a reader makes when a key's wide record was retired under it (see
+/// [`Snapshot::visit`]).
+const RESCANS: usize = 8;
 
 /// Holders at which a key's pairs move into a [`Wide`] record (when its bitset is no larger).
 pub const WIDE_MIN: usize = 16;
@@ -1169,9 +1176,39 @@ impl<'g> Snapshot<'g> {
     #[inline]
     pub fn visit(&self, key: u64, m: u64, mut f: impl FnMut(Holder)) -> Option<&'g Wide> {
         let s = (m >> (64 - SHARD_BITS)) as usize;
-        let table = self.tables[s];
+        let shard = &self.owner.shards[s];
+        let (mut wide, mut moved) = Self::scan(self.tables[s], shard, key, m, self.guard, &mut f);
+        // A record retired since its reference was read had its holders moved into slots of
+        // the shard's current table first (which may be newer than this snapshot's, and where
+        // the reference read without MORE may now be followed by them): look there. Each
+        // further round needs a writer to have moved the key again meanwhile; the bound keeps
+        // a reader from chasing a writer that does so without pause.
+        for _ in 0..RESCANS {
+            if !moved {
+                break;
+            }
+            // SAFETY: as in `snapshot`.
+            let table = unsafe { shard.table.load(Ordering::Acquire, self.guard).deref() };
+            let (w, again) = Self::scan(table, shard, key, m, self.guard, &mut f);
+            (wide, moved) = (w.or(wide), again);
+        }
+        wide
+    }
+
+    /// One scan of `key`'s probe run in `table`: calls `f` with its holders in slots and
+    /// returns its wide record, and whether a reference to a retired record was met.
+    #[inline]
+    fn scan(
+        table: &'g Table,
+        shard: &Shard,
+        key: u64,
+        m: u64,
+        guard: &'g Guard,
+        f: &mut impl FnMut(Holder),
+    ) -> (Option<&'g Wide>, bool) {
         let mut i = table.home(m);
         let mut wide = None;
+        let mut moved = false;
         // Every table keeps an empty slot; the bound is belt and braces.
         for _ in 0..table.cap {
             let h = table.slots[i].holder();
@@ -1179,24 +1216,25 @@ impl<'g> Snapshot<'g> {
                 break;
             }
             if h != TOMBSTONE && table.slots[i].key() == key {
+                let mut last = h & MORE == 0;
                 if is_wide(h) {
-                    wide = HolderTable::wide_for_reader(
-                        &self.owner.shards[s],
-                        h >> 3,
-                        key,
-                        self.guard,
-                    )
-                    .or(wide);
+                    match HolderTable::wide_for_reader(shard, h >> 3, key, guard) {
+                        Some(w) => wide = Some(w),
+                        None => {
+                            moved = true;
+                            last = false;
+                        }
+                    }
                 } else {
                     f(Holder(h));
                 }
-                if h & MORE == 0 {
+                if last {
                     break;
                 }
             }
             i = table.next(i);
         }
-        wide
+        (wide, moved)
     }
 }
 

@@ -2,7 +2,7 @@
 //!
 //! A multimap stored as open addressing with linear probing: one slot per (prefix, worker) pair,
 //! all pairs of one prefix in the same probe run. A slot is 12 bytes of atomics (8-byte
-//! key, 4-byte holder), so a pair costs 12 bytes divided by the load factor.
+//! key, 4-byte holder), so a pair costs 12 bytes divided by the load factor (0.78 on average).
 //!
 //! Concurrency: the table is split into a few shards by the key's top bits (few, so that each
 //! shard's array is large enough for huge pages). Writers take the shard's mutex; readers take no
@@ -46,10 +46,23 @@ const SHARD_BITS: u32 = SHARDS.trailing_zeros();
 const MIN_CAPACITY: usize = 64;
 /// Most slots (live or tombstone) a table may fill, as a fraction. A lookup that must read a
 /// whole probe run (to the first empty slot: writers, a key nobody holds) reads about
-/// (1 + 1/(1 - load)²)/2 slots, ~15 at 13/16 (~32 at 7/8); a reader finding a key held once
-/// stops at its pair ([`MORE`]), ~3 slots. Tables grow by half (not double), so they sit
-/// between ~0.54 and 0.81 full.
-const MAX_LOAD: (usize, usize) = (13, 16);
+/// (1 + 1/(1 - load)²)/2 slots, ~11 at 0.78 and ~32 at 7/8; a reader finding a key held once
+/// stops at its pair ([`MORE`]), ~3–4 slots. Tables grow by a quarter (not double), so they sit
+/// between 0.7 and 0.875 full (0.78 on average: see [`first_capacity`]).
+const MAX_LOAD: (usize, usize) = (7, 8);
+
+/// A full table's next capacity.
+fn grown(cap: usize) -> usize {
+    cap * 5 / 4
+}
+
+/// Shard `s`'s first (and smallest) capacity: [`MIN_CAPACITY`] × 1.25^(s / SHARDS). Keys spread
+/// evenly over the shards, so shards of equal capacities would all grow at the same moment and
+/// the whole table's load would swing with them (0.7 to 0.875, by where the count of pairs
+/// falls); staggered, they grow one after another and the load stays near its average.
+fn first_capacity(s: usize) -> usize {
+    (MIN_CAPACITY as f64 * 1.25f64.powf(s as f64 / SHARDS as f64)).round() as usize
+}
 /// The holder value of a removed pair: its key stays, so probe runs stay whole for readers.
 pub const TOMBSTONE: u32 = u32::MAX;
 /// Worker slots a holder can carry (the all-ones slot is the tombstone's).
@@ -441,6 +454,8 @@ struct WideDir {
 }
 
 struct Shard {
+    /// The smallest capacity (see [`first_capacity`]).
+    first_cap: usize,
     writer: Mutex<ShardState>,
     table: Atomic<Table>,
     wides: Atomic<WideDir>,
@@ -510,7 +525,8 @@ impl HolderTable {
     /// An empty table moving keys to wide records by `wide` (tests use low thresholds).
     pub(crate) fn with_rule(wide: WideRule) -> Self {
         let shards = (0..SHARDS)
-            .map(|_| Shard {
+            .map(|s| Shard {
+                first_cap: first_capacity(s),
                 writer: Mutex::new(ShardState {
                     len: 0,
                     used: 0,
@@ -519,7 +535,7 @@ impl HolderTable {
                     wide_next: 1,
                     wide_bytes: 0,
                 }),
-                table: Atomic::new(Table::with_capacity(MIN_CAPACITY)),
+                table: Atomic::new(Table::with_capacity(first_capacity(s))),
                 wides: Atomic::null(),
             })
             .collect();
@@ -625,7 +641,7 @@ impl HolderTable {
         inserted
     }
 
-    /// Makes room for one more slot: doubles when at least half the slots are live, else only
+    /// Makes room for one more slot: grows by a quarter when 5/8 of the slots are live, else only
     /// drops tombstones (the size then depends on the peak held, not on the order of past
     /// writes).
     fn grow<'g>(
@@ -637,7 +653,7 @@ impl HolderTable {
     ) -> &'g Table {
         let cap = table.slots.len();
         let cap = if state.len * 8 >= cap * 5 {
-            cap * 3 / 2
+            grown(cap)
         } else {
             cap
         };
@@ -956,9 +972,10 @@ impl HolderTable {
         // SAFETY: see `insert`.
         let table = unsafe { shard.table.load(Ordering::Relaxed, guard).deref() };
         let cap = table.slots.len();
-        let shrink = cap > MIN_CAPACITY && state.len * 8 < cap;
+        let shrink = cap > shard.first_cap && state.len * 8 < cap;
         if shrink {
-            self.rebuild(shard, state, table, capacity_for(state.len), guard);
+            let cap = capacity_for(state.len).max(shard.first_cap);
+            self.rebuild(shard, state, table, cap, guard);
         }
         shrink
     }
@@ -1343,7 +1360,7 @@ mod tests {
         assert!(t.is_empty());
         assert_eq!(
             t.table_bytes(),
-            SHARDS * MIN_CAPACITY * 12,
+            (0..SHARDS).map(first_capacity).sum::<usize>() * 12,
             "from {grown} bytes"
         );
         // A removed pair comes back, on its tombstone or elsewhere, exactly once.
@@ -1401,7 +1418,7 @@ mod tests {
                     .iter()
                     .map(|s| s.writer.lock().wide_bytes)
                     .sum::<usize>(),
-            SHARDS * MIN_CAPACITY * 12
+            (0..SHARDS).map(first_capacity).sum::<usize>() * 12
         );
     }
 

@@ -1212,6 +1212,56 @@ impl<'g> Snapshot<'g> {
         wide
     }
 
+    /// The tiers worker `slot` holds `key` in (0: not a holder), `key` hashed to `m` by
+    /// [`Snapshot::hash`]: [`Snapshot::visit`] narrowed to one worker, which stops at that
+    /// worker's pair. A key met as a wide record takes the general path.
+    #[inline]
+    pub fn tiers_of(&self, key: u64, m: u64, slot: u32) -> u8 {
+        let table = self.tables[(m >> (64 - SHARD_BITS)) as usize];
+        let slots: &[Slot] = &table.slots;
+        let (lo, hi) = (key as u32, (key >> 32) as u32);
+        let mut i = table.home(m);
+        // Every table keeps an empty slot; the bound is belt and braces.
+        for _ in 0..slots.len() {
+            let Some(s) = slots.get(i) else { break };
+            let h = s.holder();
+            if h == 0 {
+                break;
+            }
+            if s.key_lo.load(Ordering::Relaxed) == lo
+                && s.key_hi.load(Ordering::Relaxed) == hi
+                && h != TOMBSTONE
+            {
+                if is_wide(h) {
+                    return self.tiers_in_visit(key, m, slot);
+                }
+                if Holder(h).slot() == slot {
+                    return Holder(h).tiers();
+                }
+                if h & MORE == 0 {
+                    break;
+                }
+            }
+            i += 1;
+            if i == slots.len() {
+                i = 0;
+            }
+        }
+        0
+    }
+
+    /// [`Snapshot::tiers_of`] through the general lookup (slots and wide record).
+    #[cold]
+    fn tiers_in_visit(&self, key: u64, m: u64, slot: u32) -> u8 {
+        let mut tiers = 0;
+        let wide = self.visit(key, m, |h| {
+            if h.slot() == slot {
+                tiers |= h.tiers();
+            }
+        });
+        tiers | wide.map_or(0, |w| w.tiers(slot))
+    }
+
     /// One scan of `key`'s probe run in `table`: calls `f` with its holders in slots and
     /// returns its wide record, and whether a reference to a retired record was met.
     #[inline]
@@ -1223,16 +1273,23 @@ impl<'g> Snapshot<'g> {
         guard: &'g Guard,
         f: &mut impl FnMut(Holder),
     ) -> (Option<&'g Wide>, bool) {
+        let slots: &[Slot] = &table.slots;
+        let (lo, hi) = (key as u32, (key >> 32) as u32);
         let mut i = table.home(m);
         let mut wide = None;
         let mut moved = false;
         // Every table keeps an empty slot; the bound is belt and braces.
-        for _ in 0..table.cap {
-            let h = table.slots[i].holder();
+        for _ in 0..slots.len() {
+            let Some(slot) = slots.get(i) else { break };
+            let h = slot.holder();
             if h == 0 {
                 break;
             }
-            if h != TOMBSTONE && table.slots[i].key() == key {
+            // Most slots met belong to other keys: the low half of the key tells them apart.
+            if slot.key_lo.load(Ordering::Relaxed) == lo
+                && slot.key_hi.load(Ordering::Relaxed) == hi
+                && h != TOMBSTONE
+            {
                 let mut last = h & MORE == 0;
                 if is_wide(h) {
                     match HolderTable::wide_for_reader(shard, h >> 3, key, guard) {
@@ -1249,7 +1306,10 @@ impl<'g> Snapshot<'g> {
                     break;
                 }
             }
-            i = table.next(i);
+            i += 1;
+            if i == slots.len() {
+                i = 0;
+            }
         }
         (wide, moved)
     }

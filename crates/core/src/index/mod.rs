@@ -943,15 +943,7 @@ impl KvIndex {
             if let Some(&ahead) = a.hashes.get(pos + PREFETCH_DISTANCE) {
                 snap.prefetch(ahead);
             }
-            let mut tiers = 0u8;
-            let wide = snap.visit(seq.0, a.hashes[pos], |h| {
-                if h.slot() == slot {
-                    tiers |= h.tiers();
-                }
-            });
-            if let Some(w) = wide {
-                tiers |= w.tiers(slot);
-            }
+            let tiers = snap.tiers_of(seq.0, a.hashes[pos], slot);
             if tiers == 0 {
                 break;
             }

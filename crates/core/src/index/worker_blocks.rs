@@ -155,8 +155,8 @@ impl Namespaces {
 /// slots, each key in one of two buckets), 19-byte slots without control bytes or padding,
 /// filled up to 15/16 and grown by a quarter, so a block costs ~19/0.84 bytes where a doubling
 /// map sits at 0.44–0.875 full. A lookup reads at most two buckets; an insert into two full
-/// buckets moves a resident to its other bucket (a short random walk; the map grows if the walk
-/// does not end). Used only under the worker's lock, so entries may move. Keys are mixed with a
+/// buckets first looks for a resident whose other bucket has room and moves it there (one
+/// move), and only when none has walks at random (the map grows if the walk does not end). Used only under the worker's lock, so entries may move. Keys are mixed with a
 /// per-map secret, so an engine cannot aim its hashes at one bucket.
 #[derive(Default)]
 struct BlockMap {
@@ -285,17 +285,58 @@ impl BlockMap {
     /// Puts a slot not in the map into a free slot of one of its buckets, moving residents
     /// to their other bucket when both are full. Returns the slot left over when the walk
     /// gives up (the map then holds the others).
-    fn place(&mut self, mut carry: Slot) -> Option<Slot> {
-        let mut from = usize::MAX;
-        for _ in 0..MAX_KICKS {
-            let homes = self.homes(carry.key());
-            for b in homes {
-                if let Some(j) = self.bucket(b).iter().position(Slot::is_empty) {
-                    self.slots[b * BUCKET + j] = carry;
-                    return None;
+    fn place(&mut self, carry: Slot) -> Option<Slot> {
+        let homes = self.homes(carry.key());
+        for b in homes {
+            if let Some(j) = self.bucket(b).iter().position(Slot::is_empty) {
+                self.slots[b * BUCKET + j] = carry;
+                return None;
+            }
+        }
+        // Both full: a resident whose other bucket has room moves there (one move, the
+        // common case), else a random walk.
+        if let Some(i) = self.make_room(homes) {
+            self.slots[i] = carry;
+            return None;
+        }
+        self.walk(carry, homes)
+    }
+
+    /// Bucket `b`'s first free slot and how many slots it has filled.
+    fn room(&self, b: usize) -> (Option<usize>, usize) {
+        let mut free = None;
+        let mut used = 0;
+        for (j, s) in self.bucket(b).iter().enumerate().rev() {
+            if s.is_empty() {
+                free = Some(b * BUCKET + j);
+            } else {
+                used += 1;
+            }
+        }
+        (free, used)
+    }
+
+    /// Moves one resident of the two full buckets `homes` to its other bucket if that one has
+    /// room; returns the slot it left.
+    fn make_room(&mut self, homes: [usize; 2]) -> Option<usize> {
+        for b in homes {
+            for i in b * BUCKET..(b + 1) * BUCKET {
+                let [x, y] = self.homes(self.slots[i].key());
+                let other = if x == b { y } else { x };
+                if let (Some(to), _) = self.room(other) {
+                    self.slots[to] = self.slots[i];
+                    return Some(i);
                 }
             }
-            // Both full: evict a random resident of the bucket it did not come from.
+        }
+        None
+    }
+
+    /// The random walk for a slot whose buckets and their residents' other buckets are full:
+    /// evicts a random resident of the bucket the carried slot did not come from, and so on.
+    fn walk(&mut self, mut carry: Slot, mut homes: [usize; 2]) -> Option<Slot> {
+        let mut from = usize::MAX;
+        for _ in 0..MAX_KICKS {
             let b = if homes[0] == from { homes[1] } else { homes[0] };
             self.rng ^= self.rng << 13;
             self.rng ^= self.rng >> 7;
@@ -303,6 +344,13 @@ impl BlockMap {
             let i = b * BUCKET + (self.rng % BUCKET as u64) as usize;
             std::mem::swap(&mut self.slots[i], &mut carry);
             from = b;
+            homes = self.homes(carry.key());
+            for b in homes {
+                if let (Some(j), _) = self.room(b) {
+                    self.slots[j] = carry;
+                    return None;
+                }
+            }
         }
         Some(carry)
     }

@@ -156,7 +156,8 @@ impl Namespaces {
 /// filled up to 15/16 and grown by a quarter, so a block costs ~19/0.84 bytes where a doubling
 /// map sits at 0.44–0.875 full. A lookup reads at most two buckets; an insert into two full
 /// buckets first looks for a resident whose other bucket has room and moves it there (one
-/// move), and only when none has walks at random (the map grows if the walk does not end). Used only under the worker's lock, so entries may move. Keys are mixed with a
+/// move), and only when none has walks at random (the map grows if the walk does not end).
+/// Growing places each entry straight into the emptier of its two buckets of the new table. Used only under the worker's lock, so entries may move. Keys are mixed with a
 /// per-map secret, so an engine cannot aim its hashes at one bucket.
 #[derive(Default)]
 struct BlockMap {
@@ -269,63 +270,50 @@ impl BlockMap {
             self.grow();
         }
         let mut carry = Slot::new(key, entry);
-        loop {
-            match self.place(carry) {
-                None => break,
-                // The walk did not end: grow, then place what it carries now.
-                Some(left) => {
-                    carry = left;
-                    self.grow();
-                }
-            }
+        // The walk did not end: grow, then place what it carries now.
+        while let Err(left) = self.place(carry) {
+            carry = left;
+            self.grow();
         }
         self.len += 1;
     }
 
     /// Puts a slot not in the map into a free slot of one of its buckets, moving residents
-    /// to their other bucket when both are full. Returns the slot left over when the walk
-    /// gives up (the map then holds the others).
-    fn place(&mut self, carry: Slot) -> Option<Slot> {
+    /// to their other bucket when both are full. Returns the bucket that has one more slot
+    /// filled, or the slot left over when the walk gives up (the map then holds the others).
+    fn place(&mut self, carry: Slot) -> Result<usize, Slot> {
         let homes = self.homes(carry.key());
         for b in homes {
-            if let Some(j) = self.bucket(b).iter().position(Slot::is_empty) {
-                self.slots[b * BUCKET + j] = carry;
-                return None;
+            if let Some(i) = self.free_slot(b) {
+                self.slots[i] = carry;
+                return Ok(b);
             }
         }
         // Both full: a resident whose other bucket has room moves there (one move, the
         // common case), else a random walk.
-        if let Some(i) = self.make_room(homes) {
+        if let Some((i, to)) = self.make_room(homes) {
             self.slots[i] = carry;
-            return None;
+            return Ok(to);
         }
         self.walk(carry, homes)
     }
 
-    /// Bucket `b`'s first free slot and how many slots it has filled.
-    fn room(&self, b: usize) -> (Option<usize>, usize) {
-        let mut free = None;
-        let mut used = 0;
-        for (j, s) in self.bucket(b).iter().enumerate().rev() {
-            if s.is_empty() {
-                free = Some(b * BUCKET + j);
-            } else {
-                used += 1;
-            }
-        }
-        (free, used)
+    /// Bucket `b`'s first free slot.
+    fn free_slot(&self, b: usize) -> Option<usize> {
+        let j = self.bucket(b).iter().position(Slot::is_empty)?;
+        Some(b * BUCKET + j)
     }
 
     /// Moves one resident of the two full buckets `homes` to its other bucket if that one has
-    /// room; returns the slot it left.
-    fn make_room(&mut self, homes: [usize; 2]) -> Option<usize> {
+    /// room; returns the slot it left and the bucket it went to.
+    fn make_room(&mut self, homes: [usize; 2]) -> Option<(usize, usize)> {
         for b in homes {
             for i in b * BUCKET..(b + 1) * BUCKET {
                 let [x, y] = self.homes(self.slots[i].key());
                 let other = if x == b { y } else { x };
-                if let (Some(to), _) = self.room(other) {
+                if let Some(to) = self.free_slot(other) {
                     self.slots[to] = self.slots[i];
-                    return Some(i);
+                    return Some((i, other));
                 }
             }
         }
@@ -334,7 +322,7 @@ impl BlockMap {
 
     /// The random walk for a slot whose buckets and their residents' other buckets are full:
     /// evicts a random resident of the bucket the carried slot did not come from, and so on.
-    fn walk(&mut self, mut carry: Slot, mut homes: [usize; 2]) -> Option<Slot> {
+    fn walk(&mut self, mut carry: Slot, mut homes: [usize; 2]) -> Result<usize, Slot> {
         let mut from = usize::MAX;
         for _ in 0..MAX_KICKS {
             let b = if homes[0] == from { homes[1] } else { homes[0] };
@@ -346,13 +334,13 @@ impl BlockMap {
             from = b;
             homes = self.homes(carry.key());
             for b in homes {
-                if let (Some(j), _) = self.room(b) {
+                if let Some(j) = self.free_slot(b) {
                     self.slots[j] = carry;
-                    return None;
+                    return Ok(b);
                 }
             }
         }
-        Some(carry)
+        Err(carry)
     }
 
     fn grow(&mut self) {
@@ -384,10 +372,24 @@ impl BlockMap {
         let old = std::mem::take(&mut self.slots);
         'size: loop {
             self.slots = vec![EMPTY; cap].into_boxed_slice();
+            // Slots filled per bucket: nothing is removed meanwhile, so a bucket's free slots
+            // are its last ones and an entry goes straight to the emptier of its two buckets
+            // (which also leaves fewer full buckets for the inserts that follow).
+            let mut fill = vec![0u8; cap / BUCKET];
             for s in old.iter().filter(|s| !s.is_empty()) {
-                if self.place(*s).is_some() {
-                    cap = (cap * 5 / 4).next_multiple_of(BUCKET);
-                    continue 'size;
+                let [x, y] = self.homes(s.key());
+                let b = if fill[y] < fill[x] { y } else { x };
+                if usize::from(fill[b]) < BUCKET {
+                    self.slots[b * BUCKET + usize::from(fill[b])] = *s;
+                    fill[b] += 1;
+                } else {
+                    match self.place(*s) {
+                        Ok(b) => fill[b] += 1,
+                        Err(_) => {
+                            cap = (cap * 5 / 4).next_multiple_of(BUCKET);
+                            continue 'size;
+                        }
+                    }
                 }
             }
             return;

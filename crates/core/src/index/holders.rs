@@ -265,6 +265,13 @@ impl Slot {
         u64::from(self.key_lo.load(Ordering::Relaxed))
             | (u64::from(self.key_hi.load(Ordering::Relaxed)) << 32)
     }
+    /// Whether the slot's key is `key`, comparing the low half first (writer scans: most
+    /// slots of a run differ there, so one load decides).
+    #[inline]
+    fn is_key(&self, key: u64) -> bool {
+        self.key_lo.load(Ordering::Relaxed) == key as u32
+            && self.key_hi.load(Ordering::Relaxed) == (key >> 32) as u32
+    }
     #[inline]
     fn holder(&self) -> u32 {
         self.holder.load(Ordering::Acquire)
@@ -571,7 +578,7 @@ impl HolderTable {
                 if h == 0 {
                     break;
                 }
-                if table.slots[i].key() == key {
+                if table.slots[i].is_key(key) {
                     if h == TOMBSTONE {
                         reusable.get_or_insert(i);
                     } else if is_wide(h) {
@@ -671,7 +678,7 @@ impl HolderTable {
             if h == 0 {
                 break;
             }
-            if h != TOMBSTONE && table.slots[i].key() == key {
+            if h != TOMBSTONE && table.slots[i].is_key(key) {
                 last = Some(i);
             }
             i = table.next(i);
@@ -691,7 +698,7 @@ impl HolderTable {
     fn reuse(table: &Table, key: u64, m: u64, holder: u32, t: usize) {
         let live_key = |i: usize| {
             let h = table.slots[i].holder();
-            h != 0 && h != TOMBSTONE && table.slots[i].key() == key
+            h != 0 && h != TOMBSTONE && table.slots[i].is_key(key)
         };
         let mut i = table.next(t);
         let mut later = false;
@@ -830,7 +837,7 @@ impl HolderTable {
             if h == 0 {
                 break;
             }
-            if h != TOMBSTONE && !is_wide(h) && table.slots[i].key() == key {
+            if h != TOMBSTONE && !is_wide(h) && table.slots[i].is_key(key) {
                 table.slots[i].holder.store(TOMBSTONE, Ordering::Release);
                 state.len -= 1;
             }
@@ -879,7 +886,7 @@ impl HolderTable {
             if h == 0 {
                 return;
             }
-            if h != TOMBSTONE && table.slots[i].key() == key {
+            if h != TOMBSTONE && table.slots[i].is_key(key) {
                 f(h);
             }
             i = table.next(i);
@@ -937,7 +944,7 @@ impl HolderTable {
                     return None;
                 }
                 if h != TOMBSTONE
-                    && table.slots[i].key() == key
+                    && table.slots[i].is_key(key)
                     && (is_wide(h) || Holder(h).slot() == slot)
                 {
                     break;
@@ -1052,7 +1059,7 @@ impl HolderTable {
             if h == 0 {
                 break;
             }
-            if h & !MORE == wide_ref(id) && table.slots[i].key() == key {
+            if h & !MORE == wide_ref(id) && table.slots[i].is_key(key) {
                 table.slots[i].holder.store(TOMBSTONE, Ordering::Release);
                 state.len -= 1;
                 break;

@@ -112,14 +112,17 @@ fn ten_thousand_worker_add_remove_cycles_return_memory() {
     eprintln!(
         "after 10,000 add/store/clear/remove cycles: {bytes0} -> {bytes1} bytes, {allocs0} -> {allocs1} allocations"
     );
+    // Exact but for nodes of the epoch collector's own queue of sealed bags (2,072 bytes each
+    // with crossbeam-epoch 0.9: 64 deferred calls), which it keeps or frees depending on where
+    // its epoch stands: measured 2 to 4 of them at either end, whatever the index holds. A leak
+    // of anything per cycle would show here 10,000 times over.
+    const COLLECTOR_NODES: isize = 2;
     assert!(
-        (bytes1 - bytes0).abs() * 20 <= bytes0,
+        (bytes1 - bytes0).abs() * 20 <= bytes0 + 20 * COLLECTOR_NODES * 2_072,
         "memory within 5% of the start: {bytes0} -> {bytes1} bytes"
     );
-    // Exact but for one node of the epoch collector's own queue of sealed bags, which it keeps
-    // or frees depending on where its epoch stands.
     assert!(
-        (allocs1 - allocs0).abs() <= 1,
+        (allocs1 - allocs0).abs() <= COLLECTOR_NODES,
         "live allocations back to the start: {allocs0} -> {allocs1}"
     );
     // The pool still answers exactly: slots were reused, never aliased.

@@ -2,11 +2,11 @@
 //!
 //! A multimap stored as open addressing with linear probing: one slot per (prefix, worker) pair,
 //! all pairs of one prefix in the same probe run. A slot is 12 bytes of atomics (8-byte
-//! key, 4-byte holder), so a pair costs 12 bytes divided by the load factor.
+//! key, 4-byte holder), so a pair costs 12 bytes divided by the load factor (0.77 on average).
 //!
 //! Concurrency: the table is split into a few shards by the key's top bits (few, so that each
 //! shard's array is large enough for huge pages). Writers take the shard's mutex; readers take no
-//! lock and never wait, retry or spin: a slot's key is written before its holder is published
+//! lock and never wait or spin: a slot's key is written before its holder is published
 //! (release/acquire) and never changes while the slot is in that table, and pairs never move
 //! inside a table. A removed pair leaves a tombstone that keeps its key (only a pair of the same
 //! key may take it again), so a probe run never breaks under a reader. Growing, shrinking or
@@ -24,7 +24,10 @@
 //! would also lengthen every lookup that lands in it), and 256 holders cost 64 bytes of bits
 //! instead of 256 slots. A record whose holders fall to a quarter of the threshold moves back
 //! into slots. Moving either way publishes the new form before retiring the old, so a reader
-//! meanwhile may see a pair twice (never not at all); readers take the union.
+//! meanwhile may see a pair twice (never not at all); readers take the union. A reader that
+//! meets a reference to a record retired meanwhile (its own table may be an older one, which
+//! still has the reference but not the slots the holders moved to) looks for the key again in
+//! the shard's current table: the one retry a reader makes, and only after a writer finished.
 //!
 //! Invariants: a holder value of 0 marks an empty slot and [`TOMBSTONE`] a removed pair, so
 //! tiers are never 0 in a stored holder, and a non-empty holder without tier bits refers to a
@@ -43,10 +46,25 @@ const SHARD_BITS: u32 = SHARDS.trailing_zeros();
 const MIN_CAPACITY: usize = 64;
 /// Most slots (live or tombstone) a table may fill, as a fraction. A lookup that must read a
 /// whole probe run (to the first empty slot: writers, a key nobody holds) reads about
-/// (1 + 1/(1 - load)²)/2 slots, ~15 at 13/16 (~32 at 7/8); a reader finding a key held once
-/// stops at its pair ([`MORE`]), ~3 slots. Tables grow by half (not double), so they sit
-/// between ~0.54 and 0.81 full.
-const MAX_LOAD: (usize, usize) = (13, 16);
+/// (1 + 1/(1 - load)²)/2 slots, ~10 at 0.77 and ~32 at 7/8; a reader finding a key held once
+/// stops at its pair ([`MORE`]), ~3–4 slots. Tables grow by 30% (not double), so they sit
+/// between 0.67 and 0.875 full (0.77 on average: see [`first_capacity`]). (Growing by a quarter
+/// saved ~0.5 byte a pair and cost a fifth more moves: each pair is moved ~1/0.3 times over its
+/// life.)
+const MAX_LOAD: (usize, usize) = (7, 8);
+
+/// A full table's next capacity.
+fn grown(cap: usize) -> usize {
+    cap * 13 / 10
+}
+
+/// Shard `s`'s first (and smallest) capacity: [`MIN_CAPACITY`] × 1.3^(s / SHARDS). Keys spread
+/// evenly over the shards, so shards of equal capacities would all grow at the same moment and
+/// the whole table's load would swing with them (0.67 to 0.875, by where the count of pairs
+/// falls); staggered, they grow one after another and the load stays near its average.
+fn first_capacity(s: usize) -> usize {
+    (MIN_CAPACITY as f64 * 1.3f64.powf(s as f64 / SHARDS as f64)).round() as usize
+}
 /// The holder value of a removed pair: its key stays, so probe runs stay whole for readers.
 pub const TOMBSTONE: u32 = u32::MAX;
 /// Worker slots a holder can carry (the all-ones slot is the tombstone's).
@@ -58,6 +76,10 @@ pub const MAX_SLOTS: u32 = (1 << 29) - 1;
 /// cleared in a table (a stale bit only means a longer scan); a rebuild sets it afresh.
 /// Invariant: every live slot of a key but the last in its run carries it.
 const MORE: u32 = 0b100;
+
+/// Rescans a reader makes when a key's wide record was retired under it (see
+/// [`Snapshot::visit`]).
+const RESCANS: usize = 8;
 
 /// Holders at which a key's pairs move into a [`Wide`] record (when its bitset is no larger).
 pub const WIDE_MIN: usize = 16;
@@ -244,6 +266,13 @@ impl Slot {
     fn key(&self) -> u64 {
         u64::from(self.key_lo.load(Ordering::Relaxed))
             | (u64::from(self.key_hi.load(Ordering::Relaxed)) << 32)
+    }
+    /// Whether the slot's key is `key`, comparing the low half first (writer scans: most
+    /// slots of a run differ there, so one load decides).
+    #[inline]
+    fn is_key(&self, key: u64) -> bool {
+        self.key_lo.load(Ordering::Relaxed) == key as u32
+            && self.key_hi.load(Ordering::Relaxed) == (key >> 32) as u32
     }
     #[inline]
     fn holder(&self) -> u32 {
@@ -434,6 +463,8 @@ struct WideDir {
 }
 
 struct Shard {
+    /// The smallest capacity (see [`first_capacity`]).
+    first_cap: usize,
     writer: Mutex<ShardState>,
     table: Atomic<Table>,
     wides: Atomic<WideDir>,
@@ -503,7 +534,8 @@ impl HolderTable {
     /// An empty table moving keys to wide records by `wide` (tests use low thresholds).
     pub(crate) fn with_rule(wide: WideRule) -> Self {
         let shards = (0..SHARDS)
-            .map(|_| Shard {
+            .map(|s| Shard {
+                first_cap: first_capacity(s),
                 writer: Mutex::new(ShardState {
                     len: 0,
                     used: 0,
@@ -512,7 +544,7 @@ impl HolderTable {
                     wide_next: 1,
                     wide_bytes: 0,
                 }),
-                table: Atomic::new(Table::with_capacity(MIN_CAPACITY)),
+                table: Atomic::new(Table::with_capacity(first_capacity(s))),
                 wides: Atomic::null(),
             })
             .collect();
@@ -548,7 +580,7 @@ impl HolderTable {
                 if h == 0 {
                     break;
                 }
-                if table.slots[i].key() == key {
+                if table.slots[i].is_key(key) {
                     if h == TOMBSTONE {
                         reusable.get_or_insert(i);
                     } else if is_wide(h) {
@@ -618,7 +650,7 @@ impl HolderTable {
         inserted
     }
 
-    /// Makes room for one more slot: doubles when at least half the slots are live, else only
+    /// Makes room for one more slot: grows by 30% when 5/8 of the slots are live, else only
     /// drops tombstones (the size then depends on the peak held, not on the order of past
     /// writes).
     fn grow<'g>(
@@ -630,7 +662,7 @@ impl HolderTable {
     ) -> &'g Table {
         let cap = table.slots.len();
         let cap = if state.len * 8 >= cap * 5 {
-            cap * 3 / 2
+            grown(cap)
         } else {
             cap
         };
@@ -648,7 +680,7 @@ impl HolderTable {
             if h == 0 {
                 break;
             }
-            if h != TOMBSTONE && table.slots[i].key() == key {
+            if h != TOMBSTONE && table.slots[i].is_key(key) {
                 last = Some(i);
             }
             i = table.next(i);
@@ -668,7 +700,7 @@ impl HolderTable {
     fn reuse(table: &Table, key: u64, m: u64, holder: u32, t: usize) {
         let live_key = |i: usize| {
             let h = table.slots[i].holder();
-            h != 0 && h != TOMBSTONE && table.slots[i].key() == key
+            h != 0 && h != TOMBSTONE && table.slots[i].is_key(key)
         };
         let mut i = table.next(t);
         let mut later = false;
@@ -807,7 +839,7 @@ impl HolderTable {
             if h == 0 {
                 break;
             }
-            if h != TOMBSTONE && !is_wide(h) && table.slots[i].key() == key {
+            if h != TOMBSTONE && !is_wide(h) && table.slots[i].is_key(key) {
                 table.slots[i].holder.store(TOMBSTONE, Ordering::Release);
                 state.len -= 1;
             }
@@ -856,7 +888,7 @@ impl HolderTable {
             if h == 0 {
                 return;
             }
-            if h != TOMBSTONE && table.slots[i].key() == key {
+            if h != TOMBSTONE && table.slots[i].is_key(key) {
                 f(h);
             }
             i = table.next(i);
@@ -914,7 +946,7 @@ impl HolderTable {
                     return None;
                 }
                 if h != TOMBSTONE
-                    && table.slots[i].key() == key
+                    && table.slots[i].is_key(key)
                     && (is_wide(h) || Holder(h).slot() == slot)
                 {
                     break;
@@ -949,9 +981,10 @@ impl HolderTable {
         // SAFETY: see `insert`.
         let table = unsafe { shard.table.load(Ordering::Relaxed, guard).deref() };
         let cap = table.slots.len();
-        let shrink = cap > MIN_CAPACITY && state.len * 8 < cap;
+        let shrink = cap > shard.first_cap && state.len * 8 < cap;
         if shrink {
-            self.rebuild(shard, state, table, capacity_for(state.len), guard);
+            let cap = capacity_for(state.len).max(shard.first_cap);
+            self.rebuild(shard, state, table, cap, guard);
         }
         shrink
     }
@@ -1028,7 +1061,7 @@ impl HolderTable {
             if h == 0 {
                 break;
             }
-            if h & !MORE == wide_ref(id) && table.slots[i].key() == key {
+            if h & !MORE == wide_ref(id) && table.slots[i].is_key(key) {
                 table.slots[i].holder.store(TOMBSTONE, Ordering::Release);
                 state.len -= 1;
                 break;
@@ -1169,34 +1202,125 @@ impl<'g> Snapshot<'g> {
     #[inline]
     pub fn visit(&self, key: u64, m: u64, mut f: impl FnMut(Holder)) -> Option<&'g Wide> {
         let s = (m >> (64 - SHARD_BITS)) as usize;
-        let table = self.tables[s];
+        let shard = &self.owner.shards[s];
+        let (mut wide, mut moved) = Self::scan(self.tables[s], shard, key, m, self.guard, &mut f);
+        // A record retired since its reference was read had its holders moved into slots of
+        // the shard's current table first (which may be newer than this snapshot's, and where
+        // the reference read without MORE may now be followed by them): look there. Each
+        // further round needs a writer to have moved the key again meanwhile; the bound keeps
+        // a reader from chasing a writer that does so without pause.
+        for _ in 0..RESCANS {
+            if !moved {
+                break;
+            }
+            // SAFETY: as in `snapshot`.
+            let table = unsafe { shard.table.load(Ordering::Acquire, self.guard).deref() };
+            let (w, again) = Self::scan(table, shard, key, m, self.guard, &mut f);
+            (wide, moved) = (w.or(wide), again);
+        }
+        wide
+    }
+
+    /// The tiers worker `slot` holds `key` in (0: not a holder), `key` hashed to `m` by
+    /// [`Snapshot::hash`]: [`Snapshot::visit`] narrowed to one worker, which stops at that
+    /// worker's pair. A key met as a wide record takes the general path.
+    #[inline]
+    pub fn tiers_of(&self, key: u64, m: u64, slot: u32) -> u8 {
+        let table = self.tables[(m >> (64 - SHARD_BITS)) as usize];
+        let slots: &[Slot] = &table.slots;
+        let (lo, hi) = (key as u32, (key >> 32) as u32);
         let mut i = table.home(m);
-        let mut wide = None;
         // Every table keeps an empty slot; the bound is belt and braces.
-        for _ in 0..table.cap {
-            let h = table.slots[i].holder();
+        for _ in 0..slots.len() {
+            let Some(s) = slots.get(i) else { break };
+            let h = s.holder();
             if h == 0 {
                 break;
             }
-            if h != TOMBSTONE && table.slots[i].key() == key {
+            if s.key_lo.load(Ordering::Relaxed) == lo
+                && s.key_hi.load(Ordering::Relaxed) == hi
+                && h != TOMBSTONE
+            {
                 if is_wide(h) {
-                    wide = HolderTable::wide_for_reader(
-                        &self.owner.shards[s],
-                        h >> 3,
-                        key,
-                        self.guard,
-                    )
-                    .or(wide);
-                } else {
-                    f(Holder(h));
+                    return self.tiers_in_visit(key, m, slot);
+                }
+                if Holder(h).slot() == slot {
+                    return Holder(h).tiers();
                 }
                 if h & MORE == 0 {
                     break;
                 }
             }
-            i = table.next(i);
+            i += 1;
+            if i == slots.len() {
+                i = 0;
+            }
         }
-        wide
+        0
+    }
+
+    /// [`Snapshot::tiers_of`] through the general lookup (slots and wide record).
+    #[cold]
+    fn tiers_in_visit(&self, key: u64, m: u64, slot: u32) -> u8 {
+        let mut tiers = 0;
+        let wide = self.visit(key, m, |h| {
+            if h.slot() == slot {
+                tiers |= h.tiers();
+            }
+        });
+        tiers | wide.map_or(0, |w| w.tiers(slot))
+    }
+
+    /// One scan of `key`'s probe run in `table`: calls `f` with its holders in slots and
+    /// returns its wide record, and whether a reference to a retired record was met.
+    #[inline]
+    fn scan(
+        table: &'g Table,
+        shard: &Shard,
+        key: u64,
+        m: u64,
+        guard: &'g Guard,
+        f: &mut impl FnMut(Holder),
+    ) -> (Option<&'g Wide>, bool) {
+        let slots: &[Slot] = &table.slots;
+        let (lo, hi) = (key as u32, (key >> 32) as u32);
+        let mut i = table.home(m);
+        let mut wide = None;
+        let mut moved = false;
+        // Every table keeps an empty slot; the bound is belt and braces.
+        for _ in 0..slots.len() {
+            let Some(slot) = slots.get(i) else { break };
+            let h = slot.holder();
+            if h == 0 {
+                break;
+            }
+            // Most slots met belong to other keys: the low half of the key tells them apart.
+            if slot.key_lo.load(Ordering::Relaxed) == lo
+                && slot.key_hi.load(Ordering::Relaxed) == hi
+                && h != TOMBSTONE
+            {
+                let mut last = h & MORE == 0;
+                if is_wide(h) {
+                    match HolderTable::wide_for_reader(shard, h >> 3, key, guard) {
+                        Some(w) => wide = Some(w),
+                        None => {
+                            moved = true;
+                            last = false;
+                        }
+                    }
+                } else {
+                    f(Holder(h));
+                }
+                if last {
+                    break;
+                }
+            }
+            i += 1;
+            if i == slots.len() {
+                i = 0;
+            }
+        }
+        (wide, moved)
     }
 }
 
@@ -1305,7 +1429,7 @@ mod tests {
         assert!(t.is_empty());
         assert_eq!(
             t.table_bytes(),
-            SHARDS * MIN_CAPACITY * 12,
+            (0..SHARDS).map(first_capacity).sum::<usize>() * 12,
             "from {grown} bytes"
         );
         // A removed pair comes back, on its tombstone or elsewhere, exactly once.
@@ -1363,7 +1487,7 @@ mod tests {
                     .iter()
                     .map(|s| s.writer.lock().wide_bytes)
                     .sum::<usize>(),
-            SHARDS * MIN_CAPACITY * 12
+            (0..SHARDS).map(first_capacity).sum::<usize>() * 12
         );
     }
 

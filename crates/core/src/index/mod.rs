@@ -4,8 +4,8 @@
 //! lock); queries come from every routing decision and take no lock at all (see [`holders`]).
 //!
 //! Data layout, per (worker, block):
-//! - the holder table: one 12-byte slot (prefix hash → worker slot + tiers);
-//! - the worker's own map: engine hash → prefix hash, namespace id, tiers (20 bytes).
+//! - the holder table: one 12-byte slot (prefix hash → worker slot + tiers), ~0.78 full;
+//! - the worker's own map: engine hash → prefix hash, namespace id, tiers (19 bytes), ~0.84 full.
 //!
 //! Namespaces: a sequence's first block is stored under the seed of the salt and adapter the
 //! caller decoded; a continuation inherits its parent's seed. A continuation whose parent this
@@ -562,7 +562,7 @@ impl KvIndex {
     pub fn session_tail(&self, worker: &WorkerId, session: &str) -> Option<EngineBlockHash> {
         let entry = self.entry(worker).ok()?;
         let tail = entry.sessions.lock().tail(session)?;
-        entry.blocks.lock().get_mut(tail).is_some().then_some(tail)
+        entry.blocks.lock().get(tail).is_some().then_some(tail)
     }
 
     /// How a continuation of `parent` on `worker` would be decoded.
@@ -614,10 +614,10 @@ impl KvIndex {
                 ParentState::UnknownNamespace | ParentState::Missing => (None, None),
             },
         };
-        let ns = match seed {
-            Some(seed) => blocks.acquire_namespace(seed, n as u32),
-            None => UNKNOWN_NS,
-        };
+        let ns = seed.map_or(UNKNOWN_NS, |seed| blocks.acquire_namespace(seed, n as u32));
+        // A worker out of namespace ids (millions of live namespaces) keeps these blocks
+        // uncredited: fail closed.
+        let seed = seed.filter(|_| ns != UNKNOWN_NS);
         let bit = ev.medium.bit();
         // The pair count is published once per event.
         let mut added = 0usize;
@@ -634,7 +634,7 @@ impl KvIndex {
             });
             prev = seq;
             let at_capacity = || self.pairs.load(Ordering::Relaxed) + added >= self.limits.capacity;
-            if let Some(existing) = blocks.get_mut(engine_hash) {
+            if let Some(mut existing) = blocks.get(engine_hash) {
                 let tiers = existing.tiers() | bit;
                 match seq {
                     // An orphan (kept under the unknown namespace because its parent was never
@@ -647,10 +647,11 @@ impl KvIndex {
                     Some(seq) if existing.ns() == UNKNOWN_NS => {
                         if at_capacity() {
                             existing.set_tiers(tiers);
+                            blocks.insert(engine_hash, existing);
                             self.reject_rest(&mut blocks, ns, n - i, &mut out);
                             break;
                         }
-                        *existing = BlockEntry::new(seq, ns, tiers);
+                        blocks.insert(engine_hash, BlockEntry::new(seq, ns, tiers));
                         for b in [0b01, 0b10] {
                             if tiers & b != 0
                                 && self.holders.insert(seq.0, entry.slot, b) == Inserted::NewPair
@@ -664,7 +665,10 @@ impl KvIndex {
                     // Same engine block again (another tier, or a replayed event): merge tiers.
                     _ => {
                         let changed = tiers != existing.tiers();
-                        existing.set_tiers(tiers);
+                        if changed {
+                            existing.set_tiers(tiers);
+                            blocks.insert(engine_hash, existing);
+                        }
                         if changed && existing.ns() != UNKNOWN_NS {
                             // Counted when new: another engine hash with the same prefix may
                             // have taken the pair away, and `remove` will count it down.
@@ -689,11 +693,11 @@ impl KvIndex {
                     if self.holders.insert(seq.0, entry.slot, bit) == Inserted::NewPair {
                         added += 1;
                     }
-                    blocks.insert(engine_hash, BlockEntry::new(seq, ns, bit));
+                    blocks.add(engine_hash, BlockEntry::new(seq, ns, bit));
                     out.stored += 1;
                 }
                 None => {
-                    blocks.insert(
+                    blocks.add(
                         engine_hash,
                         BlockEntry::new(SequenceHash(0), UNKNOWN_NS, bit),
                     );
@@ -734,7 +738,7 @@ impl KvIndex {
         let bit = medium.bit();
         let mut known = 0;
         for &h in engine_hashes {
-            let Some(e) = blocks.get_mut(h) else {
+            let Some(mut e) = blocks.get(h) else {
                 self.counters
                     .unknown_removals
                     .fetch_add(1, Ordering::Relaxed);
@@ -748,6 +752,7 @@ impl KvIndex {
             let (seq, ns) = (e.seq(), e.ns());
             if left != 0 {
                 e.set_tiers(left);
+                blocks.insert(h, e);
             } else {
                 blocks.remove(h);
                 self.counters.removed.fetch_add(1, Ordering::Relaxed);
@@ -938,15 +943,7 @@ impl KvIndex {
             if let Some(&ahead) = a.hashes.get(pos + PREFETCH_DISTANCE) {
                 snap.prefetch(ahead);
             }
-            let mut tiers = 0u8;
-            let wide = snap.visit(seq.0, a.hashes[pos], |h| {
-                if h.slot() == slot {
-                    tiers |= h.tiers();
-                }
-            });
-            if let Some(w) = wide {
-                tiers |= w.tiers(slot);
-            }
+            let tiers = snap.tiers_of(seq.0, a.hashes[pos], slot);
             if tiers == 0 {
                 break;
             }
@@ -1231,7 +1228,7 @@ impl KvIndex {
         let mut restored = 0;
         for b in run {
             let tiers = b.tiers & 0b11;
-            if tiers == 0 || blocks.get_mut(b.engine).is_some() {
+            if tiers == 0 || blocks.get(b.engine).is_some() {
                 continue;
             }
             if b.ns == 0 {
@@ -1253,6 +1250,15 @@ impl KvIndex {
                 continue;
             }
             let ns = blocks.acquire_namespace(seed, 1);
+            if ns == UNKNOWN_NS {
+                // Out of namespace ids: kept uncredited (fail closed), as `store` does.
+                blocks.insert(
+                    b.engine,
+                    BlockEntry::new(SequenceHash(0), UNKNOWN_NS, tiers),
+                );
+                restored += 1;
+                continue;
+            }
             blocks.insert(b.engine, BlockEntry::new(b.seq, ns, tiers));
             for bit in [0b01, 0b10] {
                 if tiers & bit != 0

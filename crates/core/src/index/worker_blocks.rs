@@ -16,32 +16,38 @@ use std::hash::{BuildHasher, Hasher};
 
 use crate::hashing::{HashSeed, SequenceHash};
 
-/// The namespace id of blocks whose tenant cannot be known (parent never seen).
-pub const UNKNOWN_NS: u32 = (1 << 30) - 1;
+/// Bits of an interned namespace id in a map slot.
+const NS_BITS: u32 = 22;
+
+/// The namespace id of blocks whose tenant cannot be known (parent never seen). Also what
+/// [`WorkerBlocks::acquire_namespace`] returns when the worker has no id left (more than
+/// ~4 million live namespaces, which needs as many blocks): those blocks fail closed.
+pub const UNKNOWN_NS: u32 = (1 << NS_BITS) - 1;
 
 /// An engine's identifier for one block (vLLM's u64 form, or a digest folded to 64 bits).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct EngineBlockHash(pub u64);
 
-/// What the index remembers of one engine block. 12 bytes, 4-byte aligned, so a map entry with
-/// its key is 20 bytes.
+/// What the index remembers of one engine block: its prefix hash, namespace id and tiers. A map
+/// slot stores it in 11 bytes beside its engine hash.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BlockEntry {
-    seq: [u32; 2],
+    seq: SequenceHash,
     ns_tiers: u32,
 }
 
 impl BlockEntry {
-    /// Packs a prefix hash, a namespace id and a tier mask.
+    /// Packs a prefix hash, a namespace id (below 2^22) and a tier mask.
     pub fn new(seq: SequenceHash, ns: u32, tiers: u8) -> Self {
+        debug_assert!(ns <= UNKNOWN_NS);
         BlockEntry {
-            seq: [seq.0 as u32, (seq.0 >> 32) as u32],
-            ns_tiers: (ns << 2) | u32::from(tiers & 0b11),
+            seq,
+            ns_tiers: ((ns & UNKNOWN_NS) << 2) | u32::from(tiers & 0b11),
         }
     }
     /// The prefix hash (meaningless when the namespace is unknown).
     pub fn seq(&self) -> SequenceHash {
-        SequenceHash(u64::from(self.seq[0]) | (u64::from(self.seq[1]) << 32))
+        self.seq
     }
     /// The interned namespace id.
     pub fn ns(&self) -> u32 {
@@ -54,23 +60,6 @@ impl BlockEntry {
     /// Replaces the tier mask.
     pub fn set_tiers(&mut self, tiers: u8) {
         self.ns_tiers = (self.ns_tiers & !0b11) | u32::from(tiers & 0b11);
-    }
-}
-
-/// Map key with 4-byte alignment (keeps entries at 20 bytes).
-#[derive(Clone, Copy, PartialEq, Eq)]
-struct Key([u32; 2]);
-
-impl std::hash::Hash for Key {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        // One u64, so the hasher's finalizer sees every bit (engines may number blocks 1, 2, 3).
-        state.write_u64(u64::from(self.0[0]) | (u64::from(self.0[1]) << 32));
-    }
-}
-
-impl From<EngineBlockHash> for Key {
-    fn from(h: EngineBlockHash) -> Self {
-        Key([h.0 as u32, (h.0 >> 32) as u32])
     }
 }
 
@@ -130,6 +119,7 @@ impl Namespaces {
                         self.seeds[id as usize] = seed;
                         id
                     }
+                    None if self.seeds.len() >= UNKNOWN_NS as usize => return UNKNOWN_NS,
                     None => {
                         self.seeds.push(seed);
                         self.refs.push(0);
@@ -161,156 +151,256 @@ impl Namespaces {
     }
 }
 
-/// One worker's engine hash → entry map: open addressing with linear probing and
-/// backward-shift deletion (no tombstones), 20-byte slots without control bytes, filled up to 7/8
-/// and grown by half rather than doubled (shrunk below a quarter), so its memory stays near what
-/// it holds (~0.6–0.875 full where a doubling map sits at 0.44–0.875). Used only under the
-/// worker's lock. Keys are mixed with a per-map secret, so an engine cannot aim its hashes at
-/// one probe run.
+/// One worker's engine hash → entry map: bucketized cuckoo hashing (buckets of [`BUCKET`]
+/// slots, each key in one of two buckets), 19-byte slots without control bytes or padding,
+/// filled up to 15/16 and grown by a quarter, so a block costs ~19/0.84 bytes where a doubling
+/// map sits at 0.44–0.875 full. A lookup reads at most two buckets; an insert into two full
+/// buckets first looks for a resident whose other bucket has room and moves it there (one
+/// move), and only when none has walks at random (the map grows if the walk does not end).
+/// Growing places each entry straight into the emptier of its two buckets of the new table. Used only under the worker's lock, so entries may move. Keys are mixed with a
+/// per-map secret, so an engine cannot aim its hashes at one bucket.
 #[derive(Default)]
 struct BlockMap {
     slots: Box<[Slot]>,
     len: usize,
     secret: u64,
+    /// State of the walk's victim choice (xorshift).
+    rng: u64,
 }
 
-/// A map slot: an engine hash and its entry; empty while the entry's word is 0 (a stored entry
-/// always has a tier).
+/// Slots per bucket.
+const BUCKET: usize = 4;
+/// Most slots filled, as a fraction.
+const MAP_LOAD: (usize, usize) = (15, 16);
+/// Moves an insert may make before the map grows instead.
+const MAX_KICKS: usize = 128;
+
+/// A map slot: the engine hash (8 bytes), the prefix hash (8) and the namespace id with the
+/// tiers (3: 22 + 2 bits), little-endian bytes so the slot has no padding; empty while the last
+/// three bytes are 0 (a stored entry always has a tier).
 #[derive(Clone, Copy)]
-struct Slot {
-    key: Key,
-    entry: BlockEntry,
-}
+struct Slot([u8; SLOT_BYTES]);
 
-const EMPTY: Slot = Slot {
-    key: Key([0, 0]),
-    entry: BlockEntry {
-        seq: [0, 0],
-        ns_tiers: 0,
-    },
-};
+const SLOT_BYTES: usize = 19;
+const EMPTY: Slot = Slot([0; SLOT_BYTES]);
 
-/// Smallest non-empty map.
-const MAP_MIN: usize = 8;
+/// Smallest non-empty map (two buckets).
+const MAP_MIN: usize = 2 * BUCKET;
 
 impl Slot {
+    fn new(key: u64, entry: BlockEntry) -> Slot {
+        let mut b = [0; SLOT_BYTES];
+        b[..8].copy_from_slice(&key.to_le_bytes());
+        b[8..16].copy_from_slice(&entry.seq.0.to_le_bytes());
+        b[16..].copy_from_slice(&entry.ns_tiers.to_le_bytes()[..3]);
+        Slot(b)
+    }
+    fn key(&self) -> u64 {
+        u64::from_le_bytes(self.0[..8].try_into().expect("8 bytes"))
+    }
+    fn entry(&self) -> BlockEntry {
+        let [a, b, c] = [self.0[16], self.0[17], self.0[18]];
+        BlockEntry {
+            seq: SequenceHash(u64::from_le_bytes(
+                self.0[8..16].try_into().expect("8 bytes"),
+            )),
+            ns_tiers: u32::from_le_bytes([a, b, c, 0]),
+        }
+    }
+    /// The tier bits are the low bits of byte 16, and a stored entry has a tier.
     fn is_empty(&self) -> bool {
-        self.entry.ns_tiers == 0
+        self.0[16] & 0b11 == 0
     }
 }
 
 impl BlockMap {
-    fn home(&self, key: Key) -> usize {
-        let k = u64::from(key.0[0]) | (u64::from(key.0[1]) << 32);
-        let mut h = MixHasher(self.secret);
-        h.write_u64(k);
-        // Range reduction for any capacity (not only powers of two).
-        ((u128::from(h.finish()) * self.slots.len() as u128) >> 64) as usize
+    fn buckets(&self) -> usize {
+        self.slots.len() / BUCKET
     }
 
-    fn find(&self, key: Key) -> Option<usize> {
+    /// The key's two buckets (distinct when there are two or more).
+    fn homes(&self, key: u64) -> [usize; 2] {
+        let mut h = MixHasher(self.secret);
+        h.write_u64(key);
+        let h = h.finish();
+        let n = self.buckets();
+        // Range reduction for any bucket count (not only powers of two), one half of the
+        // hash per bucket.
+        let a = ((h & 0xffff_ffff) * n as u64) >> 32;
+        let b = ((h >> 32) * n as u64) >> 32;
+        let b = if a == b { (b + 1) % n as u64 } else { b };
+        [a as usize, b as usize]
+    }
+
+    /// The slots of bucket `b`.
+    fn bucket(&self, b: usize) -> &[Slot] {
+        &self.slots[b * BUCKET..][..BUCKET]
+    }
+
+    fn find(&self, key: u64) -> Option<usize> {
         if self.slots.is_empty() {
             return None;
         }
-        let mut i = self.home(key);
-        loop {
-            let s = &self.slots[i];
-            if s.is_empty() {
-                return None;
-            }
-            if s.key == key {
-                return Some(i);
-            }
-            i += 1;
-            if i == self.slots.len() {
-                i = 0;
-            }
-        }
+        self.homes(key).into_iter().find_map(|b| {
+            let j = self
+                .bucket(b)
+                .iter()
+                .position(|s| !s.is_empty() && s.key() == key)?;
+            Some(b * BUCKET + j)
+        })
     }
 
-    fn get(&self, key: Key) -> Option<&BlockEntry> {
-        self.find(key).map(|i| &self.slots[i].entry)
-    }
-
-    fn get_mut(&mut self, key: Key) -> Option<&mut BlockEntry> {
-        self.find(key).map(|i| &mut self.slots[i].entry)
+    fn get(&self, key: u64) -> Option<BlockEntry> {
+        self.find(key).map(|i| self.slots[i].entry())
     }
 
     /// Inserts or replaces.
-    fn insert(&mut self, key: Key, entry: BlockEntry) {
-        debug_assert!(entry.ns_tiers != 0, "a stored entry has a tier");
-        if (self.len + 1) * 8 > self.slots.len() * 7 {
-            let cap = (self.slots.len() * 3 / 2).max(MAP_MIN);
-            self.resize(cap);
-        }
-        let mut i = self.home(key);
-        loop {
-            let s = &mut self.slots[i];
-            if s.is_empty() {
-                *s = Slot { key, entry };
-                self.len += 1;
-                return;
-            }
-            if s.key == key {
-                s.entry = entry;
-                return;
-            }
-            i += 1;
-            if i == self.slots.len() {
-                i = 0;
-            }
+    fn insert(&mut self, key: u64, entry: BlockEntry) {
+        match self.find(key) {
+            Some(i) => self.slots[i] = Slot::new(key, entry),
+            None => self.add(key, entry),
         }
     }
 
-    fn remove(&mut self, key: Key) -> Option<BlockEntry> {
-        let mut gap = self.find(key)?;
-        let removed = self.slots[gap].entry;
-        let cap = self.slots.len();
-        // Backward shift: pull later members of the run into the gap when that keeps them at
-        // or after their home, so every key stays reachable without tombstones.
-        let mut j = gap;
-        loop {
-            j += 1;
-            if j == cap {
-                j = 0;
-            }
-            if self.slots[j].is_empty() {
-                break;
-            }
-            let home = self.home(self.slots[j].key);
-            let from_home = (j + cap - home) % cap;
-            let from_gap = (j + cap - gap) % cap;
-            if from_home >= from_gap {
-                self.slots[gap] = self.slots[j];
-                gap = j;
+    /// Inserts a key the map does not hold.
+    fn add(&mut self, key: u64, entry: BlockEntry) {
+        debug_assert!(entry.tiers() != 0, "a stored entry has a tier");
+        debug_assert!(self.find(key).is_none());
+        if (self.len + 1) * MAP_LOAD.1 > self.slots.len() * MAP_LOAD.0 {
+            self.grow();
+        }
+        let mut carry = Slot::new(key, entry);
+        // The walk did not end: grow, then place what it carries now.
+        while let Err(left) = self.place(carry) {
+            carry = left;
+            self.grow();
+        }
+        self.len += 1;
+    }
+
+    /// Puts a slot not in the map into a free slot of one of its buckets, moving residents
+    /// to their other bucket when both are full. Returns the bucket that has one more slot
+    /// filled, or the slot left over when the walk gives up (the map then holds the others).
+    fn place(&mut self, carry: Slot) -> Result<usize, Slot> {
+        let homes = self.homes(carry.key());
+        for b in homes {
+            if let Some(i) = self.free_slot(b) {
+                self.slots[i] = carry;
+                return Ok(b);
             }
         }
-        self.slots[gap] = EMPTY;
+        // Both full: a resident whose other bucket has room moves there (one move, the
+        // common case), else a random walk.
+        if let Some((i, to)) = self.make_room(homes) {
+            self.slots[i] = carry;
+            return Ok(to);
+        }
+        self.walk(carry, homes)
+    }
+
+    /// Bucket `b`'s first free slot.
+    fn free_slot(&self, b: usize) -> Option<usize> {
+        let j = self.bucket(b).iter().position(Slot::is_empty)?;
+        Some(b * BUCKET + j)
+    }
+
+    /// Moves one resident of the two full buckets `homes` to its other bucket if that one has
+    /// room; returns the slot it left and the bucket it went to.
+    fn make_room(&mut self, homes: [usize; 2]) -> Option<(usize, usize)> {
+        for b in homes {
+            for i in b * BUCKET..(b + 1) * BUCKET {
+                let [x, y] = self.homes(self.slots[i].key());
+                let other = if x == b { y } else { x };
+                if let Some(to) = self.free_slot(other) {
+                    self.slots[to] = self.slots[i];
+                    return Some((i, other));
+                }
+            }
+        }
+        None
+    }
+
+    /// The random walk for a slot whose buckets and their residents' other buckets are full:
+    /// evicts a random resident of the bucket the carried slot did not come from, and so on.
+    fn walk(&mut self, mut carry: Slot, mut homes: [usize; 2]) -> Result<usize, Slot> {
+        let mut from = usize::MAX;
+        for _ in 0..MAX_KICKS {
+            let b = if homes[0] == from { homes[1] } else { homes[0] };
+            self.rng ^= self.rng << 13;
+            self.rng ^= self.rng >> 7;
+            self.rng ^= self.rng << 17;
+            let i = b * BUCKET + (self.rng % BUCKET as u64) as usize;
+            std::mem::swap(&mut self.slots[i], &mut carry);
+            from = b;
+            homes = self.homes(carry.key());
+            for b in homes {
+                if let Some(j) = self.free_slot(b) {
+                    self.slots[j] = carry;
+                    return Ok(b);
+                }
+            }
+        }
+        Err(carry)
+    }
+
+    fn grow(&mut self) {
+        let cap = (self.slots.len() * 5 / 4).max(MAP_MIN);
+        self.resize(cap);
+    }
+
+    fn remove(&mut self, key: u64) -> Option<BlockEntry> {
+        let i = self.find(key)?;
+        let removed = self.slots[i].entry();
+        self.slots[i] = EMPTY;
         self.len -= 1;
+        let cap = self.slots.len();
         if self.len == 0 {
             self.slots = Box::default();
         } else if cap > MAP_MIN && self.len * 4 < cap {
-            self.resize((self.len * 2).max(MAP_MIN));
+            self.resize(self.len * 2);
         }
         Some(removed)
     }
 
+    /// Moves every entry into a table of at least `cap` slots (more if a walk does not end).
     fn resize(&mut self, cap: usize) {
-        let old = std::mem::replace(&mut self.slots, vec![EMPTY; cap].into_boxed_slice());
         if self.secret == 0 {
             self.secret = rand::random::<u64>() | 1;
+            self.rng = rand::random::<u64>() | 1;
         }
-        self.len = 0;
-        for s in old.iter().filter(|s| !s.is_empty()) {
-            self.insert(s.key, s.entry);
+        let mut cap = cap.max(MAP_MIN).next_multiple_of(BUCKET);
+        let old = std::mem::take(&mut self.slots);
+        'size: loop {
+            self.slots = vec![EMPTY; cap].into_boxed_slice();
+            // Slots filled per bucket: nothing is removed meanwhile, so a bucket's free slots
+            // are its last ones and an entry goes straight to the emptier of its two buckets
+            // (which also leaves fewer full buckets for the inserts that follow).
+            let mut fill = vec![0u8; cap / BUCKET];
+            for s in old.iter().filter(|s| !s.is_empty()) {
+                let [x, y] = self.homes(s.key());
+                let b = if fill[y] < fill[x] { y } else { x };
+                if usize::from(fill[b]) < BUCKET {
+                    self.slots[b * BUCKET + usize::from(fill[b])] = *s;
+                    fill[b] += 1;
+                } else {
+                    match self.place(*s) {
+                        Ok(b) => fill[b] += 1,
+                        Err(_) => {
+                            cap = (cap * 5 / 4).next_multiple_of(BUCKET);
+                            continue 'size;
+                        }
+                    }
+                }
+            }
+            return;
         }
     }
 
-    fn iter(&self) -> impl Iterator<Item = (Key, &BlockEntry)> {
+    fn iter(&self) -> impl Iterator<Item = (u64, BlockEntry)> + '_ {
         self.slots
             .iter()
             .filter(|s| !s.is_empty())
-            .map(|s| (s.key, &s.entry))
+            .map(|s| (s.key(), s.entry()))
     }
 }
 
@@ -350,7 +440,7 @@ impl WorkerBlocks {
 
     /// How a continuation of `parent` must be decoded.
     pub fn parent(&self, parent: EngineBlockHash) -> ParentState {
-        match self.map.get(Key::from(parent)) {
+        match self.map.get(parent.0) {
             None => ParentState::Missing,
             Some(e) => match self.namespaces.seed(e.ns()) {
                 Some(seed) => ParentState::Known { seed, seq: e.seq() },
@@ -365,18 +455,25 @@ impl WorkerBlocks {
     }
 
     /// The entry of an engine block.
-    pub fn get_mut(&mut self, hash: EngineBlockHash) -> Option<&mut BlockEntry> {
-        self.map.get_mut(Key::from(hash))
+    pub fn get(&self, hash: EngineBlockHash) -> Option<BlockEntry> {
+        self.map.get(hash.0)
     }
 
-    /// Adds a new entry. The namespace reference must already be acquired.
+    /// Adds a new entry (the namespace reference must already be acquired), or replaces the
+    /// entry of a known block (its namespace reference carries over).
     pub fn insert(&mut self, hash: EngineBlockHash, entry: BlockEntry) {
-        self.map.insert(Key::from(hash), entry);
+        self.map.insert(hash.0, entry);
+    }
+
+    /// Adds the entry of a block the worker does not hold (the namespace reference must
+    /// already be acquired); cheaper than [`WorkerBlocks::insert`] when the caller just looked.
+    pub fn add(&mut self, hash: EngineBlockHash, entry: BlockEntry) {
+        self.map.add(hash.0, entry);
     }
 
     /// Drops an entry and its namespace reference.
     pub fn remove(&mut self, hash: EngineBlockHash) -> Option<BlockEntry> {
-        let e = self.map.remove(Key::from(hash))?;
+        let e = self.map.remove(hash.0)?;
         self.namespaces.release(e.ns());
         Some(e)
     }
@@ -390,20 +487,15 @@ impl WorkerBlocks {
     pub fn drain(&mut self) -> Vec<BlockEntry> {
         let out = std::mem::take(&mut self.map)
             .iter()
-            .map(|(_, e)| *e)
+            .map(|(_, e)| e)
             .collect();
         self.namespaces = Namespaces::default();
         out
     }
 
     /// Every (engine hash, entry), for snapshots and digests.
-    pub fn entries(&self) -> impl Iterator<Item = (EngineBlockHash, &BlockEntry)> {
-        self.map.iter().map(|(k, e)| {
-            (
-                EngineBlockHash(u64::from(k.0[0]) | (u64::from(k.0[1]) << 32)),
-                e,
-            )
-        })
+    pub fn entries(&self) -> impl Iterator<Item = (EngineBlockHash, BlockEntry)> + '_ {
+        self.map.iter().map(|(k, e)| (EngineBlockHash(k), e))
     }
 
     /// The seed of an interned namespace id (`None` for [`UNKNOWN_NS`]).
@@ -427,8 +519,12 @@ mod tests {
         assert_eq!(e.seq(), SequenceHash(u64::MAX - 5));
         assert_eq!(e.ns(), 12345);
         assert_eq!(e.tiers(), 3);
-        assert_eq!(std::mem::size_of::<(Key, BlockEntry)>(), 20);
-        assert_eq!(std::mem::size_of::<Slot>(), 20);
+        assert_eq!(std::mem::size_of::<Slot>(), 19);
+        let s = Slot::new(u64::MAX - 1, e);
+        assert_eq!((s.key(), s.entry()), (u64::MAX - 1, e));
+        assert!(!s.is_empty());
+        let unknown = BlockEntry::new(SequenceHash(0), UNKNOWN_NS, 1);
+        assert_eq!(Slot::new(0, unknown).entry().ns(), UNKNOWN_NS);
     }
 
     #[test]
@@ -437,7 +533,7 @@ mod tests {
         let b = MixBuild;
         let mut seen = std::collections::HashSet::new();
         for i in 0..10_000u64 {
-            seen.insert(b.hash_one(Key::from(EngineBlockHash(i))) >> 50);
+            seen.insert(b.hash_one(i) >> 50);
         }
         // 10,000 keys into 16,384 buckets: a random function fills about 7,490.
         assert!(seen.len() > 7200, "top bits spread: {}", seen.len());
@@ -465,30 +561,45 @@ mod tests {
                 };
                 let e = BlockEntry::new(SequenceHash(r), (r % 7) as u32, 1 + (r % 3) as u8);
                 if r % 5 < 3 {
-                    map.insert(Key::from(EngineBlockHash(key)), e);
+                    map.insert(key, e);
                     model.insert(key, e);
                 } else {
-                    assert_eq!(
-                        map.remove(Key::from(EngineBlockHash(key))),
-                        model.remove(&key)
-                    );
+                    assert_eq!(map.remove(key), model.remove(&key));
                 }
                 assert_eq!(map.len, model.len());
             }
             for (&k, e) in &model {
-                assert_eq!(map.get(Key::from(EngineBlockHash(k))), Some(e));
+                assert_eq!(map.get(k), Some(*e));
             }
             assert_eq!(map.iter().count(), model.len());
-            assert!(map.len * 8 <= map.slots.len() * 7);
+            assert!(map.len * MAP_LOAD.1 <= map.slots.len() * MAP_LOAD.0);
             // Empty it: the slots go.
             let keys: Vec<u64> = model.keys().copied().collect();
             for k in keys {
-                assert!(map.remove(Key::from(EngineBlockHash(k))).is_some());
+                assert!(map.remove(k).is_some());
                 model.remove(&k);
                 assert!(map.slots.is_empty() || map.len * 4 >= map.slots.len() / 2);
             }
             assert_eq!((map.len, map.slots.len()), (0, 0));
         }
+    }
+
+    #[test]
+    fn a_worker_out_of_namespace_ids_gets_the_unknown_one() {
+        let mut n = Namespaces {
+            seeds: vec![HashSeed(0); UNKNOWN_NS as usize - 1],
+            refs: vec![1; UNKNOWN_NS as usize - 1],
+            ..Namespaces::default()
+        };
+        // The last id below the unknown one is still given out, then no more.
+        assert_eq!(n.acquire(HashSeed(1), 1), UNKNOWN_NS - 1);
+        assert_eq!(n.acquire(HashSeed(2), 1), UNKNOWN_NS);
+        assert_eq!(
+            n.acquire(HashSeed(1), 1),
+            UNKNOWN_NS - 1,
+            "known seeds keep their id"
+        );
+        n.release(UNKNOWN_NS);
     }
 
     #[test]

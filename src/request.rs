@@ -9,6 +9,8 @@ use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visit
 
 use kv_epp_core::salt::SaltField;
 
+mod plain;
+
 /// The prompt as the client sent it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Prompt {
@@ -97,15 +99,15 @@ pub enum RequestError {
 ///
 /// One pass of serde_json's parser over the body, keeping only the fields routing reads: no
 /// tree of the document is built, so a 32k-token prompt costs one `Vec<u32>`, not 32k JSON
-/// values. A prompt of plain integers (`[1, 2, 3]`, the shape clients send) is read by
-/// [`plain_token_ids`]; any other prompt, and any body that fails, is read again by the general
-/// path. Either way it accepts and refuses exactly what parsing into a `serde_json::Value` and
+/// values. The common shape (plain members, a prompt of plain integers or an unescaped text) is
+/// read by `plain`, in one pass; any other body, and any body that fails, by the general parser
+/// (serde_json with visitors that keep only those fields). Either way it accepts and refuses exactly what parsing into a `serde_json::Value` and
 /// reading that would (the unit tests hold both to the same answers): any syntax error anywhere
 /// is [`RequestError::NotJson`], before any field is judged; duplicate keys keep the last value.
 pub fn parse(body: &[u8]) -> Result<ParsedBody, RequestError> {
-    let fields = match read(body, Prompts::PlainOnly) {
-        Ok(Some(f)) => Some(f),
-        _ => read(body, Prompts::Any).map_err(|e| RequestError::NotJson(e.to_string()))?,
+    let fields = match plain::read(body) {
+        Some(f) => Some(f),
+        None => read(body).map_err(|e| RequestError::NotJson(e.to_string()))?,
     };
     let Some(f) = fields else {
         return Err(RequestError::NotJson("top level is not an object".into()));
@@ -129,65 +131,13 @@ pub fn parse(body: &[u8]) -> Result<ParsedBody, RequestError> {
     })
 }
 
-/// How a pass reads `prompt`.
-#[derive(Clone, Copy)]
-enum Prompts {
-    /// Only a prompt of plain integers; the pass fails on any other.
-    PlainOnly,
-    /// Any prompt, through the general parser.
-    Any,
-}
-
-/// One pass over the whole body: its fields when it is an object, `None` for another value.
-fn read(body: &[u8], prompts: Prompts) -> Result<Option<Fields>, serde_json::Error> {
+/// One pass of the general parser over the whole body: its fields when it is an object, `None`
+/// for another value.
+fn read(body: &[u8]) -> Result<Option<Fields>, serde_json::Error> {
     let mut de = serde_json::Deserializer::from_slice(body);
-    let top = de.deserialize_any(TopVisitor(prompts))?;
+    let top = de.deserialize_any(TopVisitor)?;
     de.end()?;
     Ok(top)
-}
-
-/// The token IDs of a prompt array of plain integers (`[1, 2, 3]`, JSON whitespace allowed),
-/// read without the general parser; `None` for anything else (a sign, a fraction, an exponent,
-/// a leading zero, a value over u32, a string, a nested array), which the general path reads.
-/// Whatever it returns `Some` for, the general path reads to the same IDs.
-fn plain_token_ids(raw: &[u8]) -> Option<Vec<u32>> {
-    let n = raw.len();
-    let mut i = skip_ws(raw, 0);
-    if raw.get(i) != Some(&b'[') {
-        return None;
-    }
-    let mut ids = Vec::with_capacity(n / 5 + 1);
-    i = skip_ws(raw, i + 1);
-    if raw.get(i) == Some(&b']') {
-        return (skip_ws(raw, i + 1) == n).then_some(ids);
-    }
-    loop {
-        let start = i;
-        let mut v = 0u64;
-        // u32::MAX has 10 digits; longer runs go to the general path.
-        while i < n && raw[i].is_ascii_digit() && i - start < 11 {
-            v = v * 10 + u64::from(raw[i] - b'0');
-            i += 1;
-        }
-        let digits = i - start;
-        if digits == 0 || digits > 10 || (digits > 1 && raw[start] == b'0') {
-            return None;
-        }
-        ids.push(u32::try_from(v).ok()?);
-        i = skip_ws(raw, i);
-        match raw.get(i) {
-            Some(b',') => i = skip_ws(raw, i + 1),
-            Some(b']') => return (skip_ws(raw, i + 1) == n).then_some(ids),
-            _ => return None,
-        }
-    }
-}
-
-fn skip_ws(b: &[u8], mut i: usize) -> usize {
-    while i < b.len() && matches!(b[i], b' ' | b'\t' | b'\n' | b'\r') {
-        i += 1;
-    }
-    i
 }
 
 /// The top-level members routing reads (the last of duplicates wins, as in a JSON object).
@@ -245,7 +195,7 @@ impl Visitor<'_> for KeySeed {
 }
 
 /// The document: `Some` fields for an object, `None` for any other JSON value.
-struct TopVisitor(Prompts);
+struct TopVisitor;
 
 impl<'de> Visitor<'de> for TopVisitor {
     type Value = Option<Fields>;
@@ -257,18 +207,7 @@ impl<'de> Visitor<'de> for TopVisitor {
         while let Some(key) = map.next_key_seed(KeySeed)? {
             match key {
                 Key::Model => f.model = Some(map.next_value_seed(AnyScalar)?),
-                Key::Prompt => {
-                    f.prompt = Some(match self.0 {
-                        Prompts::Any => map.next_value_seed(PromptSeed)?,
-                        Prompts::PlainOnly => {
-                            let raw: &serde_json::value::RawValue = map.next_value()?;
-                            match plain_token_ids(raw.get().as_bytes()) {
-                                Some(ids) => Ok(Prompt::TokenIds(ids)),
-                                None => return Err(de::Error::custom("not a plain prompt")),
-                            }
-                        }
-                    });
-                }
+                Key::Prompt => f.prompt = Some(map.next_value_seed(PromptSeed)?),
                 Key::Messages => {
                     map.next_value_seed(Skip)?;
                     f.messages = true;
@@ -785,6 +724,20 @@ mod tests {
         #[test]
         fn token_id_prompts_parse_as_a_json_value_would(b in token_prompt()) {
             prop_assert_eq!(streamed(&b), reference(&b), "{}", String::from_utf8_lossy(&b));
+        }
+    }
+
+    #[test]
+    fn the_common_shapes_take_the_plain_reader() {
+        for b in [
+            &br#"{"model":"m","prompt":[1, 2,3],"max_tokens":1,"temperature":0.7,"stream":true}"#[..],
+            br#" {"model":"m","prompt":"say \u00e9","x":null} "#,
+            br#"{"model":"m","messages":[{"role":"user","content":"a\nb"}],"nvext":{"cache_salt":"s"}}"#,
+        ] {
+            let plain = plain::read(b).is_some();
+            // The second has a \u escape: general path.
+            assert_eq!(plain, !b.windows(2).any(|w| w == b"\\u"), "{}", String::from_utf8_lossy(b));
+            assert_eq!(streamed(b), reference(b));
         }
     }
 

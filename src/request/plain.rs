@@ -282,28 +282,43 @@ impl<'a> Reader<'a> {
             self.i += 1;
             return Some(Prompt::TokenIds(ids));
         }
-        let b = self.b;
+        // The hot loop of a token-ID request: the cursor lives in a local, and a comma right
+        // after a number (the usual spacing) is taken without the general whitespace step.
+        let (b, mut i) = (self.b, self.i);
         loop {
-            let start = self.i;
+            let start = i;
             let mut v = 0u64;
-            // u32::MAX has 10 digits; longer runs go to the general path.
-            while let Some(&c @ b'0'..=b'9') = b.get(self.i) {
-                if self.i - start == 10 {
-                    return None;
+            while let Some(&c) = b.get(i) {
+                let d = c.wrapping_sub(b'0');
+                if d > 9 {
+                    break;
                 }
-                v = v * 10 + u64::from(c - b'0');
-                self.i += 1;
+                v = v.wrapping_mul(10).wrapping_add(u64::from(d));
+                i += 1;
             }
-            let digits = self.i - start;
-            if digits == 0 || (digits > 1 && b[start] == b'0') {
+            let digits = i - start;
+            // u32::MAX has 10 digits; longer runs (and their wrapped values) go to the general path.
+            if digits == 0 || digits > 10 || (digits > 1 && b[start] == b'0') {
                 return None;
             }
             ids.push(u32::try_from(v).ok()?);
-            self.ws();
-            match self.next()? {
-                b',' => self.ws(),
-                b']' => return Some(Prompt::TokenIds(ids)),
-                _ => return None,
+            match b.get(i) {
+                Some(b',') => i += 1,
+                _ => {
+                    self.i = i;
+                    self.ws();
+                    match self.next()? {
+                        b',' => {}
+                        b']' => return Some(Prompt::TokenIds(ids)),
+                        _ => return None,
+                    }
+                    i = self.i;
+                }
+            }
+            if !matches!(b.get(i), Some(b'0'..=b'9')) {
+                self.i = i;
+                self.ws();
+                i = self.i;
             }
         }
     }

@@ -169,7 +169,12 @@ fn body(tokens: usize) -> Vec<u8> {
 
 /// Sends `plan.warmup` then `plan.requests` requests per route, the routes taking turns, and
 /// returns each route's latencies and its server's CPU over the measured part.
-async fn step(routes: &[Route<'_>], body: &[u8], plan: &Plan, failures: &mut Vec<String>) -> Vec<Measured> {
+async fn step(
+    routes: &[Route<'_>],
+    body: &[u8],
+    plan: &Plan,
+    failures: &mut Vec<String>,
+) -> Vec<Measured> {
     for _ in 0..plan.warmup {
         for r in routes {
             if let Err(e) = one(r.port, body).await {
@@ -213,7 +218,11 @@ fn print_rows(tokens: usize, routes: &[Route<'_>], m: &[Measured]) {
     let kv_epp = routes.iter().position(|r| r.name == "kv-epp");
     let base = routes.iter().position(|r| r.name == "kv-epp base");
     for (i, (r, s)) in routes.iter().zip(m).enumerate() {
-        let label = if i == 0 { format!("{tokens}t") } else { String::new() };
+        let label = if i == 0 {
+            format!("{tokens}t")
+        } else {
+            String::new()
+        };
         let (p50, p99) = (s.pct(0.5), s.pct(0.99));
         if r.server.is_none() {
             println!(
@@ -223,10 +232,9 @@ fn print_rows(tokens: usize, routes: &[Route<'_>], m: &[Measured]) {
             continue;
         }
         let vs_base = match (Some(i) == kv_epp, base) {
-            (true, Some(b)) => format!(
-                "{:.2}x",
-                s.cpu_per_request_ms() / m[b].cpu_per_request_ms()
-            ),
+            (true, Some(b)) => {
+                format!("{:.2}x", s.cpu_per_request_ms() / m[b].cpu_per_request_ms())
+            }
             _ => String::new(),
         };
         println!(
@@ -269,8 +277,14 @@ async fn run(plan: &Plan, full: bool) {
     println!("load average before: {}", load_average());
     let mut failures = Vec::new();
     for (mode, shape) in [
-        ("FULL_DUPLEX_STREAMED (deploy/envoy/envoy.yaml)", EnvoyShape::FullDuplex),
-        ("BUFFERED (deploy/envoy/envoy-buffered.yaml)", EnvoyShape::Buffered),
+        (
+            "FULL_DUPLEX_STREAMED (deploy/envoy/envoy.yaml)",
+            EnvoyShape::FullDuplex,
+        ),
+        (
+            "BUFFERED (deploy/envoy/envoy-buffered.yaml)",
+            EnvoyShape::Buffered,
+        ),
     ] {
         let mut servers: Vec<(&str, &Target)> = vec![("echo", &echo)];
         if let Some(b) = &base {
@@ -296,7 +310,15 @@ async fn run(plan: &Plan, full: bool) {
         println!("\n{mode}");
         println!(
             "{:>7} | {:<12} | {:>7} {:>7} | {:>9} {:>9} | {:>7} | {:>10} | {:>8}",
-            "prompt", "route", "p50 ms", "p99 ms", "added p50", "added p99", "p99/p50", "CPU/req ms", "CPU/base"
+            "prompt",
+            "route",
+            "p50 ms",
+            "p99 ms",
+            "added p50",
+            "added p99",
+            "p99/p50",
+            "CPU/req ms",
+            "CPU/base"
         );
         for &tokens in plan.prompt_tokens {
             let m = step(&routes, &body(tokens), plan, &mut failures).await;

@@ -40,8 +40,8 @@ use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    HttpBody, ProcessingRequest, ProtocolConfiguration, body_mutation,
-    processing_request::Request, processing_response::Response,
+    HttpBody, ProcessingRequest, ProtocolConfiguration, body_mutation, processing_request::Request,
+    processing_response::Response,
 };
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;

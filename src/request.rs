@@ -56,6 +56,11 @@ impl ParsedBody {
         self.body_salt.field()
     }
 
+    /// Whether routing this body may tokenize its prompt (any prompt but token IDs).
+    pub(crate) fn needs_tokenizer(&self) -> bool {
+        !matches!(self.prompt, Prompt::TokenIds(_))
+    }
+
     /// Takes the prompt out, leaving [`Prompt::None`] (the token IDs move, never copied).
     pub(crate) fn take_prompt(&mut self) -> Prompt {
         std::mem::replace(&mut self.prompt, Prompt::None)

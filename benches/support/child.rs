@@ -62,8 +62,7 @@ pub(crate) fn this_kv_epp() -> PathBuf {
 pub(crate) fn start_kv_epp(bin: &Path, yaml: &str) -> Target {
     static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let path =
-        std::env::temp_dir().join(format!("kv-epp-bench-{}-{n}.yaml", std::process::id()));
+    let path = std::env::temp_dir().join(format!("kv-epp-bench-{}-{n}.yaml", std::process::id()));
     std::fs::write(&path, yaml).expect("write config");
     let mut cmd = Command::new(bin);
     cmd.args(["serve", "--config-file"])

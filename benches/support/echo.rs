@@ -17,8 +17,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse,
-    ProcessingRequest, ProcessingResponse, StreamedBodyResponse, TrailersResponse, body_mutation,
+    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ProcessingRequest,
+    ProcessingResponse, StreamedBodyResponse, TrailersResponse, body_mutation,
     processing_request::Request, processing_response::Response,
 };
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
@@ -44,7 +44,10 @@ pub(crate) fn run_if_asked() -> bool {
     let Some(i) = args.iter().position(|a| a == ECHO_FLAG) else {
         return false;
     };
-    let pick = args.get(i + 1).cloned().expect("the pick after --echo-server");
+    let pick = args
+        .get(i + 1)
+        .cloned()
+        .expect("the pick after --echo-server");
     serve(pick);
     true
 }
@@ -132,10 +135,7 @@ impl ExternalProcessor for Echo {
                         ..ProcessingResponse::default()
                     }],
                     Some(Request::ResponseBody(b)) => vec![ProcessingResponse {
-                        response: Some(Response::ResponseBody(streamed(
-                            b.body,
-                            b.end_of_stream,
-                        ))),
+                        response: Some(Response::ResponseBody(streamed(b.body, b.end_of_stream))),
                         ..ProcessingResponse::default()
                     }],
                     Some(Request::ResponseTrailers(_)) => vec![ProcessingResponse {

@@ -31,7 +31,7 @@ pub use picker::{Picker, Policy, UnknownModel, UnrenderableRequests};
 pub use reject::{ROUTED, Reject, TOKENIZE_FAILED};
 
 use crate::forward::rewrite_salt;
-use crate::request::{self, ParsedBody, Prompt};
+use crate::request::{self, ParsedBody, Prompt, RequestError};
 use crate::workers::{Booking, WorkerRuntime};
 use kv_epp_core::fingerprint::Fingerprint;
 use kv_epp_core::hashing::{LocalBlockHash, SequenceHash, prompt_hashes};
@@ -424,9 +424,22 @@ pub(crate) fn hash_prompt(
 /// [`Reject::BadPrompt`] (tokenizer refusals), [`Reject::PromptTooLong`]. A tokenizer failure on
 /// kv-epp's side is not a refusal: it is reported in [`Understood::tokenize_failure`].
 pub fn understand(picker: &Picker, parts: &RequestParts<'_>) -> Result<Understood, Reject> {
+    understand_parsed(picker, parts, None)
+}
+
+/// [`understand`] for a body the edge already parsed: `ahead` is what [`request::parse`] gave
+/// for `parts.body` (`None`: parse it here). Same errors.
+pub(crate) fn understand_parsed(
+    picker: &Picker,
+    parts: &RequestParts<'_>,
+    ahead: Option<Result<ParsedBody, RequestError>>,
+) -> Result<Understood, Reject> {
     let mut parsed = match parts.body {
         None | Some([]) => None,
-        Some(bytes) => Some(request::parse(bytes)?),
+        Some(bytes) => Some(match ahead {
+            Some(parsed) => parsed?,
+            None => request::parse(bytes)?,
+        }),
     };
     let salt = resolve_salt(
         picker,

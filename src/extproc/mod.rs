@@ -174,7 +174,9 @@ async fn run_stream(
             }
         };
         let result = match handler.decides_on(&msg) {
-            // The decisive message (tokenization, scoring) runs off the I/O threads.
+            // No tokenizer and a bounded body: cheaper here than on a lane thread.
+            Some(_) if handler.decides_inline(&msg) => handler.on_message(msg),
+            // The decisive message that may tokenize, or a large body, runs off the I/O threads.
             Some(body_bytes) => {
                 let work = move || {
                     let out = handler.on_message(msg);

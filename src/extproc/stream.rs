@@ -40,7 +40,12 @@ use crate::decide::{
 };
 use crate::flow::{Admission, FlowControl, Outcome, TenantSlot, Ticket};
 use crate::metrics::Metrics;
+use crate::request::{self, ParsedBody, RequestError};
 use kv_epp_core::salt::TENANT_HEADER;
+
+/// Bodies under this many bytes whose prompt needs no tokenizer are decided on the I/O thread
+/// (a 32k-token token-ID prompt is about 190 KB; parsing it there takes ~0.1 ms).
+pub(crate) const INLINE_BODY_BYTES: usize = 256 << 10;
 
 /// Options of the stream handler (from the configuration).
 #[derive(Clone, Debug)]
@@ -145,6 +150,8 @@ pub struct StreamHandler {
     state: State,
     /// The tenant's in-flight slot (quotas, per-tenant metrics), held until the stream ends.
     slot: Option<TenantSlot>,
+    /// The body as [`StreamHandler::decides_inline`] parsed it, for the decision it precedes.
+    parsed_ahead: Option<Result<ParsedBody, RequestError>>,
 }
 
 impl StreamHandler {
@@ -159,6 +166,7 @@ impl StreamHandler {
             response_body_sent: true,
             state: State::AwaitHeaders,
             slot: None,
+            parsed_ahead: None,
         }
     }
 
@@ -199,6 +207,42 @@ impl StreamHandler {
             (State::CollectBody { body, .. }, Request::RequestTrailers(_)) => Some(body.len()),
             _ => None,
         }
+    }
+
+    /// Whether the decision `msg` makes may run on the calling (I/O) thread: it needs no
+    /// tokenizer (no body, a token-ID prompt, or a body refused as it parses) and its body is
+    /// under [`INLINE_BODY_BYTES`], so parsing, hashing and scoring cost less than handing the
+    /// stream to a lane thread and back. Parses the body to know; the decision reuses that parse.
+    pub fn decides_inline(&mut self, msg: &ProcessingRequest) -> bool {
+        let Some(bytes) = self.decides_on(msg) else {
+            return false;
+        };
+        if bytes == 0 {
+            return true;
+        }
+        if bytes >= INLINE_BODY_BYTES || bytes > self.opts.max_body_bytes {
+            return false;
+        }
+        let State::CollectBody { body, .. } = &self.state else {
+            return false;
+        };
+        let chunk: &[u8] = match &msg.request {
+            Some(Request::RequestBody(b)) => &b.body,
+            _ => &[],
+        };
+        let parsed = match (body.is_empty(), chunk.is_empty()) {
+            (true, _) => request::parse(chunk),
+            (false, true) => request::parse(body),
+            (false, false) => {
+                let mut whole = Vec::with_capacity(bytes);
+                whole.extend_from_slice(body);
+                whole.extend_from_slice(chunk);
+                request::parse(&whole)
+            }
+        };
+        let inline = parsed.as_ref().map_or(true, |p| !p.needs_tokenizer());
+        self.parsed_ahead = Some(parsed);
+        inline
     }
 
     /// Ends the stream from the edge's side for `why` (no data in time, a gRPC message over the
@@ -481,10 +525,11 @@ impl StreamHandler {
             subset: head.subset.as_deref(),
             conformance: head.conformance_ips.as_deref(),
         };
-        let request = match decide::understand(&self.picker, &parts) {
-            Ok(r) => r,
-            Err(reject) => return self.refuse(&reject),
-        };
+        let request =
+            match decide::understand_parsed(&self.picker, &parts, self.parsed_ahead.take()) {
+                Ok(r) => r,
+                Err(reject) => return self.refuse(&reject),
+            };
         if let Some(e) = &request.tokenize_failure {
             // Counted whatever happens next: a refusal must not hide our own failure.
             tracing::warn!(error = %e, "tokenization failed; routing on load alone");

@@ -213,7 +213,10 @@ impl StreamHandler {
     /// tokenizer (no body, a token-ID prompt, or a body refused as it parses) and its body is
     /// under [`INLINE_BODY_BYTES`], so parsing, hashing and scoring cost less than handing the
     /// stream to a lane thread and back. Parses the body to know; the decision reuses that parse.
-    pub fn decides_inline(&mut self, msg: &ProcessingRequest) -> bool {
+    /// To parse it whole, the last chunk joins the buffered body here (drawing on the budget as
+    /// [`StreamHandler::on_message`] would; `msg` keeps an empty chunk), unless the budget is
+    /// full, which `on_message` then refuses as before.
+    pub fn decides_inline(&mut self, msg: &mut ProcessingRequest) -> bool {
         let Some(bytes) = self.decides_on(msg) else {
             return false;
         };
@@ -223,23 +226,23 @@ impl StreamHandler {
         if bytes >= INLINE_BODY_BYTES || bytes > self.opts.max_body_bytes {
             return false;
         }
-        let State::CollectBody { body, .. } = &self.state else {
+        let State::CollectBody { body, held, .. } = &mut self.state else {
             return false;
         };
-        let chunk: &[u8] = match &msg.request {
-            Some(Request::RequestBody(b)) => &b.body,
-            _ => &[],
-        };
-        let parsed = match (body.is_empty(), chunk.is_empty()) {
-            (true, _) => request::parse(chunk),
-            (false, true) => request::parse(body),
-            (false, false) => {
-                let mut whole = Vec::with_capacity(bytes);
-                whole.extend_from_slice(body);
-                whole.extend_from_slice(chunk);
-                request::parse(&whole)
+        if let Some(Request::RequestBody(b)) = &mut msg.request
+            && !b.body.is_empty()
+        {
+            if held.grow(b.body.len()).is_err() {
+                return false;
             }
-        };
+            if body.is_empty() {
+                *body = std::mem::take(&mut b.body);
+            } else {
+                body.extend_from_slice(&b.body);
+                b.body = Vec::new();
+            }
+        }
+        let parsed = request::parse(body);
         let inline = parsed.as_ref().map_or(true, |p| !p.needs_tokenizer());
         self.parsed_ahead = Some(parsed);
         inline
@@ -699,10 +702,10 @@ impl StreamHandler {
             Some(messages::decision_metadata(&destination, &decision)),
         )];
         if let (BodyMode::FullDuplex, Some(body), Phase::RequestHeaders) =
-            (self.request_mode, body.as_deref(), phase)
+            (self.request_mode, body, phase)
         {
-            let forward = rewritten.as_deref().unwrap_or(body);
-            out.extend(messages::stream_body(
+            let forward = rewritten.unwrap_or(body);
+            out.extend(messages::stream_owned_body(
                 Phase::RequestBody,
                 forward,
                 body_ends,

@@ -288,6 +288,14 @@ impl<'a> Reader<'a> {
         loop {
             let start = i;
             let mut v = 0u64;
+            if let Some(&word) = b.get(i..i + 8).and_then(|w| <&[u8; 8]>::try_from(w).ok()) {
+                let (n, value) = eight_digits(u64::from_le_bytes(word));
+                if n < 8 {
+                    // The whole number was in the word: no per-digit branch.
+                    i += n;
+                    v = value;
+                }
+            }
             while let Some(&c) = b.get(i) {
                 let d = c.wrapping_sub(b'0');
                 if d > 9 {
@@ -319,6 +327,51 @@ impl<'a> Reader<'a> {
                 self.i = i;
                 self.ws();
                 i = self.i;
+            }
+        }
+    }
+}
+
+/// The leading ASCII digits of `word` (8 bytes, first in the lowest byte): how many (0 to 8) and
+/// their value, without a branch per digit.
+fn eight_digits(word: u64) -> (usize, u64) {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    // A byte is a digit when its high nibble is 3 before and after adding 6 ('0'..='9' only).
+    // Carries run towards later bytes only, so every byte up to the first non-digit is judged
+    // right, and nothing after it matters.
+    let high = word & (0xF0 * ONES);
+    let high6 = word.wrapping_add(6 * ONES) & (0xF0 * ONES);
+    let not_digit = (high ^ (0x30 * ONES)) | (high6 ^ (0x30 * ONES));
+    let n = (not_digit.trailing_zeros() / 8) as usize;
+    if n == 0 {
+        return (0, 0);
+    }
+    // The n digits as values, moved to the top bytes (leading zeros below them), then combined
+    // pairwise: 8 digits in three multiplications.
+    let mut v = (word.wrapping_sub(0x30 * ONES) & (0x0F * ONES)) << (8 * (8 - n));
+    v = (v.wrapping_mul(10) + (v >> 8)) & 0x00FF_00FF_00FF_00FF;
+    v = (v.wrapping_mul(100) + (v >> 16)) & 0x0000_FFFF_0000_FFFF;
+    v = (v.wrapping_mul(10_000) + (v >> 32)) & 0xFFFF_FFFF;
+    (n, v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn eight_digits_reads_the_leading_digits(word in any::<[u8; 8]>(), n in 0usize..=8, digits in any::<u32>()) {
+            let mut w = word;
+            let text = format!("{:08}", digits % 100_000_000);
+            w[..n].copy_from_slice(&text.as_bytes()[8 - n..]);
+            let lead = w.iter().take_while(|c| c.is_ascii_digit()).count();
+            let value = w[..lead].iter().fold(0u64, |v, c| v * 10 + u64::from(c - b'0'));
+            let (got_n, got_v) = eight_digits(u64::from_le_bytes(w));
+            prop_assert_eq!(got_n, lead);
+            if lead > 0 {
+                prop_assert_eq!(got_v, value);
             }
         }
     }

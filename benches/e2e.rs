@@ -43,7 +43,7 @@ struct Plan {
 
 const FULL: Plan = Plan {
     prompt_tokens: &[1024, 8192, 32768],
-    requests: 400,
+    requests: 1000,
     warmup: 30,
 };
 

@@ -550,11 +550,12 @@ mod tests {
     use proptest::prelude::*;
     use serde_json::Value;
 
+    /// Model, prompt, max tokens, nvext salt, body salt; or the refusal.
+    type Answer = Result<(Option<String>, Prompt, Option<u64>, SaltValue, SaltValue), RequestError>;
+
     /// What `parse` answered before it streamed: the whole body as a `serde_json::Value`, then
     /// the fields read from it. `parse` must answer exactly this for every input.
-    fn reference(
-        body: &[u8],
-    ) -> Result<(Option<String>, Prompt, Option<u64>, SaltValue, SaltValue), RequestError> {
+    fn reference(body: &[u8]) -> Answer {
         fn salt(v: Option<&Value>) -> SaltValue {
             match v {
                 None | Some(Value::Null) => SaltValue::Absent,
@@ -610,9 +611,7 @@ mod tests {
         ))
     }
 
-    fn streamed(
-        body: &[u8],
-    ) -> Result<(Option<String>, Prompt, Option<u64>, SaltValue, SaltValue), RequestError> {
+    fn streamed(body: &[u8]) -> Answer {
         parse(body).map(|p| (p.model, p.prompt, p.max_tokens, p.nvext_salt, p.body_salt))
     }
 

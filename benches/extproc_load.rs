@@ -499,7 +499,7 @@ async fn run(plan: &Plan, full: bool) {
     }
     println!(
         "ext_proc throughput: FULL_DUPLEX_STREAMED streams ({} KiB body chunks), one HTTP/2 connection per client, \
-         {:.0} s per step; CPU from /proc/<pid>/stat of each server process; ratios from the same run",
+         {:.0} s per step; CPU from each server process's threads in /proc; ratios from the same run",
         SEND_CHUNK / 1024,
         plan.step.as_secs_f64()
     );

@@ -708,7 +708,7 @@ mod tests {
             ])
             .prop_map(str::to_owned),
         ];
-        let ws = prop::sample::select(vec!["", "", "", " ", "\n", " \t\r"]);
+        let ws = prop::sample::select(vec!["", "", "", "", "", " ", " ", "\n", " \t\r"]);
         (
             prop::collection::vec((numeral, ws.clone(), ws.clone()), 0..40),
             ws.clone(),
@@ -742,6 +742,27 @@ mod tests {
             // The second has a \u escape: general path.
             assert_eq!(plain, !b.windows(2).any(|w| w == b"\\u"), "{}", String::from_utf8_lossy(b));
             assert_eq!(streamed(b), reference(b));
+        }
+    }
+
+    #[test]
+    fn long_token_prompts_read_alike_in_every_spacing() {
+        let ids: Vec<u32> = (0..5000u32)
+            .map(|i| i.wrapping_mul(2_654_435_761) >> (i % 32))
+            .collect();
+        for sep in [",", ", ", " , ", ",\n"] {
+            let list: Vec<String> = ids.iter().map(u32::to_string).collect();
+            let b = format!(
+                r#"{{"model":"m","prompt":[{}],"max_tokens":1}}"#,
+                list.join(sep)
+            );
+            let p = parse(b.as_bytes()).unwrap();
+            assert_eq!(p.prompt, Prompt::TokenIds(ids.clone()), "separator {sep:?}");
+            assert!(
+                plain::read(b.as_bytes()).is_some(),
+                "plain reader, separator {sep:?}"
+            );
+            assert_eq!(streamed(b.as_bytes()), reference(b.as_bytes()));
         }
     }
 

@@ -286,6 +286,12 @@ impl<'a> Reader<'a> {
         // after a number (the usual spacing) is taken without the general whitespace step.
         let (b, mut i) = (self.b, self.i);
         loop {
+            i = dense_ids(b, i, &mut ids);
+            if !matches!(b.get(i), Some(b'0'..=b'9')) {
+                self.i = i;
+                self.ws();
+                i = self.i;
+            }
             let start = i;
             let mut v = 0u64;
             if let Some(&word) = b.get(i..i + 8).and_then(|w| <&[u8; 8]>::try_from(w).ok()) {
@@ -330,6 +336,40 @@ impl<'a> Reader<'a> {
             }
         }
     }
+}
+
+/// Token IDs from `i` (the start of a number) while they come in the common spacing, `1,22,333`
+/// or `1, 22, 333`: the commas are found 8 bytes at a time and each number between two of them
+/// is read whole by [`eight_digits`], so no number waits for the one before it to be scanned.
+/// Returns where it stopped (after a comma, or `i`): before the first number it cannot take (the
+/// last one, before `]`; one with other spacing, over 8 digits or a leading zero), which the
+/// caller's general loop reads from there.
+fn dense_ids(b: &[u8], mut i: usize, ids: &mut Vec<u32>) -> usize {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    let mut at = i;
+    while let Some(word) = b.get(at..at + 8).and_then(|w| <[u8; 8]>::try_from(w).ok()) {
+        // 0x80 in exactly the bytes that are commas (no carry crosses a byte).
+        let x = u64::from_le_bytes(word) ^ (u64::from(b',') * ONES);
+        let mut commas = !(((x & (0x7F * ONES)) + 0x7F * ONES) | x) & (0x80 * ONES);
+        while commas != 0 {
+            let comma = at + (commas.trailing_zeros() / 8) as usize;
+            commas &= commas - 1;
+            let start = i + usize::from(b[i] == b' ');
+            let len = comma.saturating_sub(start);
+            let Some(number) = b.get(start..start + 8) else {
+                return i;
+            };
+            let (n, value) = eight_digits(u64::from_le_bytes(number.try_into().unwrap_or([0; 8])));
+            if n != len || n == 0 || (n > 1 && b[start] == b'0') {
+                return i;
+            }
+            // At most 8 digits: below u32::MAX.
+            ids.push(value as u32);
+            i = comma + 1;
+        }
+        at += 8;
+    }
+    i
 }
 
 /// The leading ASCII digits of `word` (8 bytes, first in the lowest byte): how many (0 to 8) and

@@ -1,48 +1,99 @@
-//! `make bench` (end to end): the latency kv-epp adds in front of a model server, measured through
-//! a real Envoy 1.40 on loopback: client → Envoy → kv-epp (ext_proc, FULL_DUPLEX_STREAMED) →
-//! upstream, against client → Envoy → upstream directly, in the same run, at a fixed request rate,
-//! for 1k, 8k and 32k-token prompts (token-ID prompts, so tokenization is not included here).
+//! `make bench` (end to end): what kv-epp costs in front of a model server, through a real Envoy
+//! 1.40 on loopback, in both request body modes (FULL_DUPLEX_STREAMED, `deploy/envoy/envoy.yaml`;
+//! BUFFERED, `deploy/envoy/envoy-buffered.yaml`), for 1k, 8k and 32k-token token-ID
+//! `/v1/completions` prompts (tokenization is measured by `benches/tokenize.rs`).
+//!
+//! - Routes, all through Envoy to the same upstream (a fake model server in this process):
+//!   direct (no ext_proc: the baseline), via the echo ext_proc server (benches/support/echo.rs:
+//!   the floor of gRPC and HTTP/2 stream handling), via kv-epp (the real `kv-epp serve`), and,
+//!   when `KV_EPP_BENCH_BIN=/path/to/kv-epp` is set, via that other build too (e.g. the one at
+//!   `main`), so old and new are measured in the same run.
+//! - One client in a closed loop: the next request leaves when the last one was answered. The
+//!   routes take turns request by request, so load from other processes hits them alike.
+//! - Latency is the client's, request sent to response read. "added" is a route's percentile
+//!   less the direct route's. CPU per request is the ext_proc server process's own CPU
+//!   (its threads' run times from `/proc`, benches/support/child.rs) over the step, divided by
+//!   the requests it served; kv-epp and the echo server are child processes, never this one.
+//!
+//! Under `cargo test --all-targets` (no `--bench` argument), or with `--quick`, it is a smoke
+//! run: a few requests per route, checking only that every one was answered 200.
 
+#[path = "support/child.rs"]
+mod child;
 #[path = "../tests/common/mod.rs"]
 mod common;
+#[path = "support/echo.rs"]
+mod echo;
 
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
 
-use common::{Envoy, EnvoyShape, Upstream, free_port, http, kv_epp_config};
-use kv_epp::server::Server;
+use child::{Target, cpu_seconds};
+use common::{Envoy, EnvoyShape, Upstream, free_port, post_json};
 
-const REQUESTS: usize = 200;
-const RATE_PER_S: f64 = 50.0;
-
-fn pct(v: &mut [f64], q: f64) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
-    v[rank - 1]
+/// How much one run measures.
+struct Plan {
+    prompt_tokens: &'static [usize],
+    /// Measured requests per route, per prompt size and mode.
+    requests: usize,
+    /// Unmeasured requests per route first.
+    warmup: usize,
 }
 
-/// One table row: direct and via-kv-epp percentiles, the added p50 and the ratio.
-fn print_row(tokens: usize, direct: &mut [f64], via: &mut [f64]) {
-    let (d50, d99, k50, k99) = (
-        pct(direct, 0.5),
-        pct(direct, 0.99),
-        pct(via, 0.5),
-        pct(via, 0.99),
-    );
-    println!(
-        "{:>7}t | {:>8.2}ms {:>8.2}ms | {:>8.2}ms {:>8.2}ms | {:>8.2}ms {:>9.2}x",
-        tokens,
-        d50,
-        d99,
-        k50,
-        k99,
-        k50 - d50,
-        k50 / d50
-    );
+const FULL: Plan = Plan {
+    prompt_tokens: &[1024, 8192, 32768],
+    requests: 1000,
+    warmup: 30,
+};
+
+const QUICK: Plan = Plan {
+    prompt_tokens: &[1024, 8192, 32768],
+    requests: 3,
+    warmup: 1,
+};
+
+fn main() {
+    if echo::run_if_asked() {
+        return;
+    }
+    let args: Vec<String> = std::env::args().collect();
+    // `cargo test --all-targets` runs this binary without `--bench`: a smoke run then.
+    let full = args.iter().any(|a| a == "--bench") && !args.iter().any(|a| a == "--quick");
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+        .block_on(run(if full { &FULL } else { &QUICK }, full));
 }
 
-/// Envoy straight to one upstream (no ext_proc): the baseline.
-async fn direct_envoy(bin: &std::path::Path, upstream: SocketAddr) -> Envoy {
+/// A way from the client to the upstream, and the ext_proc server on it (none for direct).
+struct Route<'a> {
+    name: String,
+    port: u16,
+    server: Option<&'a Target>,
+}
+
+/// What one route measured in one step.
+struct Measured {
+    latencies_ms: Vec<f64>,
+    cpu_s: f64,
+}
+
+impl Measured {
+    fn pct(&self, q: f64) -> f64 {
+        let mut v = self.latencies_ms.clone();
+        v.sort_by(f64::total_cmp);
+        let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len().max(1));
+        v.get(rank - 1).copied().unwrap_or(f64::NAN)
+    }
+    fn cpu_per_request_ms(&self) -> f64 {
+        self.cpu_s * 1000.0 / self.latencies_ms.len().max(1) as f64
+    }
+}
+
+/// Envoy straight to the upstream (no ext_proc): the baseline.
+async fn direct_envoy(bin: &Path, upstream: SocketAddr) -> Envoy {
     let (port, admin) = (free_port(), free_port());
     let yaml = format!(
         r#"static_resources:
@@ -82,142 +133,210 @@ admin:
     Envoy::run(bin, port, admin, &yaml).await
 }
 
-/// Sends REQUESTS requests at RATE_PER_S (open loop) to `/v1/completions` and returns latencies.
-async fn run(port: u16, body: &[u8]) -> Vec<f64> {
-    run_at(port, "/v1/completions", body, REQUESTS, RATE_PER_S).await
+/// kv-epp serving the one upstream: model `m`, no engine events, ephemeral ports.
+fn kv_epp_yaml(upstream: SocketAddr) -> String {
+    format!(
+        "server: {{bind_address: 127.0.0.1, grpc_port: 0, grpc_health_port: 0, metrics_port: 0, admin_port: 0}}\n\
+         engine_metrics: {{interval_ms: 0}}\n\
+         events: {{engine: none}}\n\
+         models: [{{name: m, block_size: 16}}]\n\
+         workers: [{{endpoint: '{upstream}', model: m}}]\n"
+    )
 }
 
-/// Sends `n` requests at `rate` per second (open loop) and returns latencies in ms.
-async fn run_at(port: u16, path: &'static str, body: &[u8], n: usize, rate: f64) -> Vec<f64> {
-    let body = std::sync::Arc::new(body.to_vec());
-    let gap = Duration::from_secs_f64(1.0 / rate);
-    let start = Instant::now();
-    let mut tasks = Vec::new();
-    for i in 0..n {
-        let due = start + gap * i as u32;
-        tokio::time::sleep_until(due.into()).await;
-        let body = body.clone();
-        tasks.push(tokio::spawn(async move {
-            let t = Instant::now();
-            let r = http(
-                ("127.0.0.1", port),
-                "POST",
-                path,
-                &[("content-type", "application/json")],
-                &body,
-            )
-            .await
-            .expect("request");
-            assert_eq!(r.status, 200, "{}", r.text());
-            t.elapsed().as_secs_f64() * 1000.0
-        }));
+/// One request through `port`; its latency in ms, or what went wrong.
+async fn one(port: u16, body: &[u8]) -> Result<f64, String> {
+    let t = Instant::now();
+    let r = post_json(("127.0.0.1", port), "/v1/completions", &[], body)
+        .await
+        .map_err(|e| e.to_string())?;
+    let took = t.elapsed().as_secs_f64() * 1000.0;
+    if r.status != 200 {
+        return Err(format!("{}: {}", r.status, r.text()));
     }
-    let mut out = Vec::new();
-    for t in tasks {
-        out.push(t.await.unwrap());
-    }
-    out
+    Ok(took)
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() {
-    if !std::env::args().any(|a| a == "--bench") {
-        // `cargo test --all-targets` runs benches without `--bench`; tests/envoy_e2e.rs covers
-        // this path functionally.
-        println!("e2e benchmark: skipped outside `cargo bench` (run `make bench`)");
+/// A token-ID completion of `tokens` tokens.
+fn body(tokens: usize) -> Vec<u8> {
+    let ids: Vec<u32> = (0..tokens as u32).map(|i| (i * 7919) % 128_000).collect();
+    format!(
+        r#"{{"model":"m","prompt":{},"max_tokens":1}}"#,
+        serde_json::to_string(&ids).expect("ids")
+    )
+    .into_bytes()
+}
+
+/// Sends `plan.warmup` then `plan.requests` requests per route, the routes taking turns, and
+/// returns each route's latencies and its server's CPU over the measured part.
+async fn step(
+    routes: &[Route<'_>],
+    body: &[u8],
+    plan: &Plan,
+    failures: &mut Vec<String>,
+) -> Vec<Measured> {
+    for _ in 0..plan.warmup {
+        for r in routes {
+            if let Err(e) = one(r.port, body).await {
+                failures.push(format!("{}: {e}", r.name));
+            }
+        }
+    }
+    let cpu = |r: &Route| r.server.map_or(0.0, |s| cpu_seconds(s.pid));
+    let before: Vec<f64> = routes.iter().map(cpu).collect();
+    let mut latencies = vec![Vec::with_capacity(plan.requests); routes.len()];
+    for i in 0..plan.requests {
+        // Each round starts at another route, so no route always follows the same one.
+        for k in 0..routes.len() {
+            let at = (i + k) % routes.len();
+            match one(routes[at].port, body).await {
+                Ok(ms) => latencies[at].push(ms),
+                Err(e) => failures.push(format!("{}: {e}", routes[at].name)),
+            }
+        }
+    }
+    routes
+        .iter()
+        .zip(before)
+        .zip(latencies)
+        .map(|((r, b), latencies_ms)| Measured {
+            latencies_ms,
+            cpu_s: cpu(r) - b,
+        })
+        .collect()
+}
+
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "?".into())
+}
+
+/// Prints one prompt size's rows: the direct route first, then each ext_proc route.
+fn print_rows(tokens: usize, routes: &[Route<'_>], m: &[Measured]) {
+    let direct = &m[0];
+    let kv_epp = routes.iter().position(|r| r.name == "kv-epp");
+    let base = routes.iter().position(|r| r.name == "kv-epp base");
+    for (i, (r, s)) in routes.iter().zip(m).enumerate() {
+        let label = if i == 0 {
+            format!("{tokens}t")
+        } else {
+            String::new()
+        };
+        let (p50, p99) = (s.pct(0.5), s.pct(0.99));
+        if r.server.is_none() {
+            println!(
+                "{label:>7} | {:<12} | {p50:>7.2} {p99:>7.2} | {:>9} {:>9} | {:>7} | {:>10} | {:>8}",
+                r.name, "", "", "", "", ""
+            );
+            continue;
+        }
+        let vs_base = match (Some(i) == kv_epp, base) {
+            (true, Some(b)) => {
+                format!("{:.2}x", s.cpu_per_request_ms() / m[b].cpu_per_request_ms())
+            }
+            _ => String::new(),
+        };
+        println!(
+            "{label:>7} | {:<12} | {p50:>7.2} {p99:>7.2} | {:>9.2} {:>9.2} | {:>6.2}x | {:>10.3} | {vs_base:>8}",
+            r.name,
+            p50 - direct.pct(0.5),
+            p99 - direct.pct(0.99),
+            p99 / p50,
+            s.cpu_per_request_ms(),
+        );
+    }
+}
+
+async fn run(plan: &Plan, full: bool) {
+    if !full {
+        println!("(smoke run; `cargo bench --bench e2e` measures)");
+    }
+    let Some(envoy) = common::envoy_binary() else {
+        if full {
+            eprintln!("e2e bench needs Envoy in .venv (run `make tools`)");
+            std::process::exit(1);
+        }
         return;
-    }
-    let Some(bin) = common::envoy_binary() else {
-        eprintln!("e2e bench needs Envoy in .venv (run `make tools`)");
-        std::process::exit(1);
     };
     let up = Upstream::start().await;
-    let tokenizer = format!(
-        "{}/tests/fixtures/tokenizer/small-bpe",
-        env!("CARGO_MANIFEST_DIR")
-    );
-    let cfg = kv_epp_config(
-        &[up.addr],
-        &format!("models: [{{name: m, block_size: 16, tokenizer: {{path: '{tokenizer}'}}}}]"),
-    );
-    let server = Server::start(&cfg).await.unwrap();
-    let via = Envoy::start(&bin, EnvoyShape::FullDuplex, server.grpc_addr.port()).await;
-    let direct = direct_envoy(&bin, up.addr).await;
-    let direct_port = direct.port;
+    let yaml = kv_epp_yaml(up.addr);
+    let kv_epp = child::start_kv_epp(&child::this_kv_epp(), &yaml);
+    let base_bin = std::env::var_os("KV_EPP_BENCH_BIN").map(PathBuf::from);
+    let base = base_bin.as_deref().map(|b| child::start_kv_epp(b, &yaml));
+    let echo = child::start_echo(&up.addr.to_string());
+    let direct = direct_envoy(&envoy, up.addr).await;
     println!(
-        "end-to-end latency added by kv-epp (Envoy 1.40, loopback, {REQUESTS} requests at {RATE_PER_S} req/s, token-ID prompts)\n"
+        "end to end through Envoy 1.40 on loopback: one client, closed loop, {} requests per route and prompt size \
+         (after {} unmeasured), routes taking turns; token-ID /v1/completions prompts",
+        plan.requests, plan.warmup
     );
-    println!(
-        "{:>8} | {:>10} {:>10} | {:>10} {:>10} | {:>10} {:>10}",
-        "prompt", "direct p50", "p99", "kv-epp p50", "p99", "added p50", "ratio p50"
-    );
-    for tokens in [1024usize, 8192, 32768] {
-        let ids: Vec<u32> = (0..tokens as u32).map(|i| (i * 7919) % 128_000).collect();
-        let body = format!(
-            r#"{{"model":"m","prompt":{},"max_tokens":1}}"#,
-            serde_json::to_string(&ids).unwrap()
-        );
-        // Warm both paths.
-        let _ = run(direct_port, body.as_bytes()).await;
-        let _ = run(via.port, body.as_bytes()).await;
-        let mut d = run(direct_port, body.as_bytes()).await;
-        let mut k = run(via.port, body.as_bytes()).await;
-        print_row(tokens, &mut d, &mut k);
+    if let Some(b) = &base_bin {
+        println!("kv-epp base: {}", b.display());
     }
-    // Chat prompts: tokenized in process by kv-epp (small BPE from the fixtures, chat template),
-    // at a lower rate, since encoding dominates (see `cargo bench --bench tokenize`).
-    const CHAT_REQUESTS: usize = 40;
-    const CHAT_RATE: f64 = 5.0;
-    println!(
-        "\nchat prompts ({CHAT_REQUESTS} requests at {CHAT_RATE} req/s, tokenized by kv-epp; the same prompt repeats, so later requests hit the tokenizer's segment cache)"
-    );
-    println!(
-        "{:>8} | {:>10} {:>10} | {:>10} {:>10} | {:>10} {:>10}",
-        "prompt", "direct p50", "p99", "kv-epp p50", "p99", "added p50", "ratio p50"
-    );
-    let words = [
-        "cache", "router", "tenant", "prefix", "block", "worker", "token", "envoy", "salt", "index",
-    ];
-    for target in [1024usize, 8192, 32768] {
-        let mut text = String::new();
-        let mut i = 0usize;
-        while text.len() < target * 5 {
-            text.push_str(words[(i * 7 + i / 3) % words.len()]);
-            text.push(if i.is_multiple_of(13) { '.' } else { ' ' });
-            i += 1;
+    println!("load average before: {}", load_average());
+    let mut failures = Vec::new();
+    for (mode, shape) in [
+        (
+            "FULL_DUPLEX_STREAMED (deploy/envoy/envoy.yaml)",
+            EnvoyShape::FullDuplex,
+        ),
+        (
+            "BUFFERED (deploy/envoy/envoy-buffered.yaml)",
+            EnvoyShape::Buffered,
+        ),
+    ] {
+        let mut servers: Vec<(&str, &Target)> = vec![("echo", &echo)];
+        if let Some(b) = &base {
+            servers.push(("kv-epp base", b));
         }
-        let body = serde_json::json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": text}]})
-            .to_string();
-        let tokens = server
-            .picker
-            .models
-            .resolve("m")
-            .and_then(|r| r.model.tokenize("/v1/chat/completions", body.as_bytes()))
-            .and_then(Result::ok)
-            .map_or(0, |t| t.len());
-        let path = "/v1/chat/completions";
-        let _ = run_at(direct_port, path, body.as_bytes(), 5, CHAT_RATE).await;
-        let _ = run_at(via.port, path, body.as_bytes(), 5, CHAT_RATE).await;
-        let mut d = run_at(direct_port, path, body.as_bytes(), CHAT_REQUESTS, CHAT_RATE).await;
-        let mut k = run_at(via.port, path, body.as_bytes(), CHAT_REQUESTS, CHAT_RATE).await;
-        print_row(tokens, &mut d, &mut k);
-    }
-    let m = http(server.metrics_addr, "GET", "/metrics", &[], b"")
-        .await
-        .unwrap()
-        .text();
-    if let (Some(sum), Some(count)) = (
-        m.lines()
-            .find(|l| l.starts_with("kv_epp_decision_seconds_sum"))
-            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok()),
-        m.lines()
-            .find(|l| l.starts_with("kv_epp_decision_seconds_count"))
-            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok()),
-    ) {
+        servers.push(("kv-epp", &kv_epp));
+        let mut envoys = Vec::new();
+        for (_, s) in &servers {
+            envoys.push(Envoy::start(&envoy, shape, s.grpc.port()).await);
+        }
+        let mut routes = vec![Route {
+            name: "direct".into(),
+            port: direct.port,
+            server: None,
+        }];
+        for ((name, s), e) in servers.iter().zip(&envoys) {
+            routes.push(Route {
+                name: (*name).into(),
+                port: e.port,
+                server: Some(s),
+            });
+        }
+        println!("\n{mode}");
         println!(
-            "\nkv-epp decision time (parse + hash + query + pick), mean over all requests: {:.3} ms",
-            sum / count * 1000.0
+            "{:>7} | {:<12} | {:>7} {:>7} | {:>9} {:>9} | {:>7} | {:>10} | {:>8}",
+            "prompt",
+            "route",
+            "p50 ms",
+            "p99 ms",
+            "added p50",
+            "added p99",
+            "p99/p50",
+            "CPU/req ms",
+            "CPU/base"
         );
+        for &tokens in plan.prompt_tokens {
+            let m = step(&routes, &body(tokens), plan, &mut failures).await;
+            print_rows(tokens, &routes, &m);
+            // The upstream keeps every request it saw; nothing here reads them.
+            up.received.lock().expect("upstream log").clear();
+        }
     }
-    server.stop().await;
+    println!("\nload average after: {}", load_average());
+    println!(
+        "added: the route's percentile less the direct route's; p99/p50: of the route itself (via Envoy and the \
+         ext_proc server); CPU/req: the ext_proc server process's CPU over the step per request it served; \
+         CPU/base: kv-epp's CPU per request over the base build's"
+    );
+    assert!(
+        failures.is_empty(),
+        "{} failed requests, first: {}",
+        failures.len(),
+        failures[0]
+    );
 }

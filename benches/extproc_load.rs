@@ -3,8 +3,9 @@
 //! generator in the same run, so the ratio shows kv-epp's own cost on top of gRPC and HTTP/2.
 //!
 //! - kv-epp runs as a child process (the real `kv-epp serve` binary) and the echo server as a
-//!   second child (this bench re-executed with `--echo-server`); each one's CPU time comes from
-//!   `/proc/<pid>/stat` before and after every step, so the generator's own work is never counted.
+//!   second child (this bench re-executed with `--echo-server`, benches/support/); each one's CPU
+//!   time comes from its threads' `/proc` run times before and after every step, so the
+//!   generator's own work is never counted.
 //! - The generator (this process) opens one HTTP/2 connection per concurrent client and sends
 //!   each request as Envoy's FULL_DUPLEX_STREAMED mode does: request headers, the body in 16 KiB
 //!   chunks (the HTTP/2 frame size Envoy reads a downstream body in), the last with
@@ -27,48 +28,34 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use std::io::{BufRead, BufReader};
+#[path = "support/child.rs"]
+mod child;
+#[path = "support/echo.rs"]
+mod echo;
+
 use std::net::SocketAddr;
-use std::pin::Pin;
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
-    ExternalProcessor, ExternalProcessorServer,
-};
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpBody,
-    ProcessingRequest, ProcessingResponse, ProtocolConfiguration, StreamedBodyResponse,
-    body_mutation, processing_request::Request, processing_response::Response,
+    HttpBody, ProcessingRequest, ProtocolConfiguration, body_mutation, processing_request::Request,
+    processing_response::Response,
 };
-use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
-use futures_util::Stream;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 
-use common::ChildGuard;
+use child::{Target, cpu_seconds};
 use common::sim::{SimSpec, sim_worker};
+use echo::DESTINATION;
 use kv_epp_sim::server::SimWorker;
 
-/// The argument that turns this binary into the echo server.
-const ECHO_FLAG: &str = "--echo-server";
-/// What the echo server's stdout line starts with, then its address.
-const ECHO_BANNER: &str = "echo serving ext_proc on ";
-/// What `kv-epp serve` prints once it listens, then the ext_proc address.
-const KV_EPP_BANNER: &str = "kv-epp serving ext_proc on ";
-/// The destination header of the endpoint-picker protocol.
-const DESTINATION: &str = "x-gateway-destination-endpoint";
 /// The echo server's fixed pick.
 const ECHO_PICK: &str = "127.0.0.1:8000";
 /// Body chunk the generator sends (what Envoy reads a downstream HTTP/2 body in).
 const SEND_CHUNK: usize = 16 * 1024;
-/// Largest streamed chunk sent back (the convention kv-epp follows too).
-const ECHO_CHUNK: usize = 62_000;
 /// envoy.extensions.filters.http.ext_proc.v3.ProcessingMode.BodySendMode.FULL_DUPLEX_STREAMED
 const FULL_DUPLEX: i32 = 4;
 const TENANTS: usize = 8;
@@ -102,11 +89,10 @@ const QUICK: Plan = Plan {
 };
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    if args.iter().any(|a| a == ECHO_FLAG) {
-        echo_main();
+    if echo::run_if_asked() {
         return;
     }
+    let args: Vec<String> = std::env::args().collect();
     // `cargo test --all-targets` runs this binary without `--bench`: a smoke run then.
     let full = args.iter().any(|a| a == "--bench") && !args.iter().any(|a| a == "--quick");
     tokio::runtime::Builder::new_multi_thread()
@@ -118,185 +104,8 @@ fn main() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The echo server: the message sequence kv-epp sends in FULL_DUPLEX_STREAMED, without deciding.
+// The servers under load, as child processes (benches/support/child.rs).
 // ---------------------------------------------------------------------------------------------
-
-/// Serves ext_proc on an ephemeral loopback port with the runtime `kv-epp serve` uses, printing
-/// [`ECHO_BANNER`] and the address, until killed.
-fn echo_main() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    rt.block_on(async {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        println!("{ECHO_BANNER}{}", listener.local_addr().expect("address"));
-        let incoming =
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-        tonic::transport::Server::builder()
-            .add_service(ExternalProcessorServer::new(Echo))
-            .serve_with_incoming(incoming)
-            .await
-            .expect("serve");
-    });
-}
-
-struct Echo;
-
-type ResponseStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, tonic::Status>> + Send>>;
-
-#[tonic::async_trait]
-impl ExternalProcessor for Echo {
-    type ProcessStream = ResponseStream;
-
-    /// Like kv-epp's adapter: one task per stream feeding a channel of 32 responses. The header
-    /// response waits for the whole body (routing would need it), then the body goes back.
-    async fn process(
-        &self,
-        request: tonic::Request<tonic::Streaming<ProcessingRequest>>,
-    ) -> Result<tonic::Response<ResponseStream>, tonic::Status> {
-        let mut inbound = request.into_inner();
-        let (tx, rx) = mpsc::channel(32);
-        tokio::spawn(async move {
-            let mut body = Vec::new();
-            while let Ok(Some(msg)) = inbound.message().await {
-                let out = match msg.request {
-                    Some(Request::RequestHeaders(h)) if h.end_of_stream => vec![echo_pick()],
-                    Some(Request::RequestBody(b)) => {
-                        body.extend_from_slice(&b.body);
-                        if b.end_of_stream {
-                            let mut out = vec![echo_pick()];
-                            out.extend(echo_body(&std::mem::take(&mut body)));
-                            out
-                        } else {
-                            Vec::new()
-                        }
-                    }
-                    // Headers with a body to come, and phases this generator never drives.
-                    _ => Vec::new(),
-                };
-                for r in out {
-                    if tx.send(Ok(r)).await.is_err() {
-                        return;
-                    }
-                }
-            }
-        });
-        Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
-    }
-}
-
-/// The header response of a decision: the destination header (overwrite, `raw_value`), route
-/// cache cleared, and the same destination under `envoy.lb` in the dynamic metadata.
-fn echo_pick() -> ProcessingResponse {
-    let header = HeaderValueOption {
-        header: Some(HeaderValue {
-            key: DESTINATION.into(),
-            value: String::new(),
-            raw_value: ECHO_PICK.as_bytes().to_vec(),
-        }),
-        // OVERWRITE_IF_EXISTS_OR_ADD
-        append_action: 2,
-        ..HeaderValueOption::default()
-    };
-    let text = |s: &str| Value {
-        kind: Some(Kind::StringValue(s.into())),
-    };
-    let lb = Struct {
-        fields: [(DESTINATION.to_owned(), text(ECHO_PICK))].into(),
-    };
-    ProcessingResponse {
-        response: Some(Response::RequestHeaders(HeadersResponse {
-            response: Some(CommonResponse {
-                header_mutation: Some(HeaderMutation {
-                    set_headers: vec![header],
-                    remove_headers: Vec::new(),
-                }),
-                clear_route_cache: true,
-                ..CommonResponse::default()
-            }),
-        })),
-        dynamic_metadata: Some(Struct {
-            fields: [(
-                "envoy.lb".to_owned(),
-                Value {
-                    kind: Some(Kind::StructValue(lb)),
-                },
-            )]
-            .into(),
-        }),
-        ..ProcessingResponse::default()
-    }
-}
-
-/// The body sent back as streamed chunks, the last one ending the stream.
-fn echo_body(body: &[u8]) -> Vec<ProcessingResponse> {
-    let chunks: Vec<&[u8]> = body.chunks(ECHO_CHUNK).collect();
-    let last = chunks.len().saturating_sub(1);
-    chunks
-        .into_iter()
-        .enumerate()
-        .map(|(i, chunk)| ProcessingResponse {
-            response: Some(Response::RequestBody(BodyResponse {
-                response: Some(CommonResponse {
-                    body_mutation: Some(BodyMutation {
-                        mutation: Some(body_mutation::Mutation::StreamedResponse(
-                            StreamedBodyResponse {
-                                body: chunk.to_vec(),
-                                end_of_stream: i == last,
-                                ..StreamedBodyResponse::default()
-                            },
-                        )),
-                    }),
-                    ..CommonResponse::default()
-                }),
-            })),
-            ..ProcessingResponse::default()
-        })
-        .collect()
-}
-
-// ---------------------------------------------------------------------------------------------
-// The servers under load, as child processes.
-// ---------------------------------------------------------------------------------------------
-
-/// A server process under load.
-struct Target {
-    pid: u32,
-    grpc: SocketAddr,
-    /// kv-epp's admin API (`None` for the echo server).
-    admin: Option<SocketAddr>,
-    _child: ChildGuard,
-}
-
-/// Starts `cmd` with stdout piped, waits for the line starting with `banner` and returns the
-/// child and that line's remainder; the rest of its output is read and dropped.
-fn spawn_until(mut cmd: Command, banner: &'static str) -> (ChildGuard, String) {
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start server process");
-    let stdout = child.stdout.take().expect("stdout");
-    let guard = ChildGuard(child);
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut tx = Some(tx);
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if let Some(rest) = line.strip_prefix(banner)
-                && let Some(tx) = tx.take()
-            {
-                let _ = tx.send(rest.to_owned());
-            }
-        }
-    });
-    let rest = rx
-        .recv_timeout(Duration::from_secs(30))
-        .unwrap_or_else(|_| panic!("no `{banner}` line within 30 s"));
-    (guard, rest)
-}
 
 /// The real `kv-epp serve` for `workers`, ephemeral ports, logs at warn.
 fn start_kv_epp(workers: &[SimWorker]) -> Target {
@@ -321,54 +130,7 @@ fn start_kv_epp(workers: &[SimWorker]) -> Target {
          workers: [{}]\n",
         list.join(", ")
     );
-    let path =
-        std::env::temp_dir().join(format!("kv-epp-extproc-load-{}.yaml", std::process::id()));
-    std::fs::write(&path, yaml).expect("write config");
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kv-epp"));
-    cmd.args(["serve", "--config-file"])
-        .arg(&path)
-        .env("KV_EPP_LOG", "warn");
-    let (child, rest) = spawn_until(cmd, KV_EPP_BANNER);
-    // Read once at start.
-    let _ = std::fs::remove_file(&path);
-    // "<grpc> (health <a>, metrics <a>, admin <a>)"
-    let grpc = rest.split_whitespace().next().and_then(|a| a.parse().ok());
-    let admin = rest
-        .split("admin ")
-        .nth(1)
-        .and_then(|a| a.trim_end_matches(')').parse().ok());
-    Target {
-        pid: child.0.id(),
-        grpc: grpc.expect("kv-epp's ext_proc address"),
-        admin: Some(admin.expect("kv-epp's admin address")),
-        _child: child,
-    }
-}
-
-/// This binary as the echo server.
-fn start_echo() -> Target {
-    let mut cmd = Command::new(std::env::current_exe().expect("own path"));
-    cmd.arg(ECHO_FLAG);
-    let (child, rest) = spawn_until(cmd, ECHO_BANNER);
-    Target {
-        pid: child.0.id(),
-        grpc: rest.trim().parse().expect("echo's address"),
-        admin: None,
-        _child: child,
-    }
-}
-
-/// User plus system CPU time a process has used so far, in seconds.
-fn cpu_seconds(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("read /proc stat");
-    // Fields after the command name (which may hold spaces) start at field 3 (state);
-    // utime and stime are fields 14 and 15.
-    let after = &stat[stat.rfind(')').expect("stat format") + 2..];
-    let f: Vec<&str> = after.split_whitespace().collect();
-    let ticks: f64 = f[11].parse::<f64>().expect("utime") + f[12].parse::<f64>().expect("stime");
-    // SAFETY: sysconf only reads a system constant.
-    let per_s = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    ticks / per_s
+    child::start_kv_epp(&child::this_kv_epp(), &yaml)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -730,14 +492,14 @@ async fn run(plan: &Plan, full: bool) {
         );
     }
     let kv_epp = start_kv_epp(&workers);
-    let echo = start_echo();
+    let echo = child::start_echo(ECHO_PICK);
     let admin = kv_epp.admin.expect("kv-epp has an admin API");
     for w in &workers {
         wait_subscribed(admin, w).await;
     }
     println!(
         "ext_proc throughput: FULL_DUPLEX_STREAMED streams ({} KiB body chunks), one HTTP/2 connection per client, \
-         {:.0} s per step; CPU from /proc/<pid>/stat of each server process; ratios from the same run",
+         {:.0} s per step; CPU from each server process's threads in /proc; ratios from the same run",
         SEND_CHUNK / 1024,
         plan.step.as_secs_f64()
     );

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use kv_epp::config::Config;
-use kv_epp::process::{init_logs, shutdown_signal};
+use kv_epp::process::{init_logs, shutdown_signal, tune_allocator};
 use kv_epp::server::Server;
 
 /// Flags of `kv-epp serve`; names match the reference endpoint picker where they overlap.
@@ -148,6 +148,7 @@ pub(crate) fn run(args: &ServeArgs) -> Result<(), String> {
         println!("configuration OK");
         return Ok(());
     }
+    tune_allocator();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

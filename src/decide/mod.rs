@@ -31,7 +31,7 @@ pub use picker::{Picker, Policy, UnknownModel, UnrenderableRequests};
 pub use reject::{ROUTED, Reject, TOKENIZE_FAILED};
 
 use crate::forward::rewrite_salt;
-use crate::request::{self, Prompt};
+use crate::request::{self, ParsedBody, Prompt, RequestError};
 use crate::workers::{Booking, WorkerRuntime};
 use kv_epp_core::fingerprint::Fingerprint;
 use kv_epp_core::hashing::{LocalBlockHash, SequenceHash, prompt_hashes};
@@ -356,9 +356,14 @@ pub struct Routed {
 /// A digest of a prompt's token IDs (XXH3-64 over their little-endian bytes): equal digests mean
 /// equal token IDs, partial last block included, without keeping the tokens.
 pub fn tokens_digest(tokens: &[u32]) -> u64 {
+    // Fed 1 KiB at a time: one `update` per token cost more than the hashing itself.
     let mut h = xxhash_rust::xxh3::Xxh3::new();
-    for t in tokens {
-        h.update(&t.to_le_bytes());
+    let mut buf = [0u8; 1024];
+    for chunk in tokens.chunks(buf.len() / 4) {
+        for (out, t) in buf.chunks_exact_mut(4).zip(chunk) {
+            out.copy_from_slice(&t.to_le_bytes());
+        }
+        h.update(&buf[..chunk.len() * 4]);
     }
     h.digest()
 }
@@ -419,9 +424,22 @@ pub(crate) fn hash_prompt(
 /// [`Reject::BadPrompt`] (tokenizer refusals), [`Reject::PromptTooLong`]. A tokenizer failure on
 /// kv-epp's side is not a refusal: it is reported in [`Understood::tokenize_failure`].
 pub fn understand(picker: &Picker, parts: &RequestParts<'_>) -> Result<Understood, Reject> {
-    let parsed = match parts.body {
+    understand_parsed(picker, parts, None)
+}
+
+/// [`understand`] for a body the edge already parsed: `ahead` is what [`request::parse`] gave
+/// for `parts.body` (`None`: parse it here). Same errors.
+pub(crate) fn understand_parsed(
+    picker: &Picker,
+    parts: &RequestParts<'_>,
+    ahead: Option<Result<ParsedBody, RequestError>>,
+) -> Result<Understood, Reject> {
+    let mut parsed = match parts.body {
         None | Some([]) => None,
-        Some(bytes) => Some(request::parse(bytes)?),
+        Some(bytes) => Some(match ahead {
+            Some(parsed) => parsed?,
+            None => request::parse(bytes)?,
+        }),
     };
     let salt = resolve_salt(
         picker,
@@ -440,8 +458,8 @@ pub fn understand(picker: &Picker, parts: &RequestParts<'_>) -> Result<Understoo
     };
     let mut tokenize_failure = None;
     let mut unrenderable = None;
-    let tokens = match (parsed.as_ref().map(|p| &p.prompt), parts.body) {
-        (Some(Prompt::TokenIds(t)), _) => Some(t.clone()),
+    let tokens = match (parsed.as_mut().map(ParsedBody::take_prompt), parts.body) {
+        (Some(Prompt::TokenIds(t)), _) => Some(t),
         (Some(_), Some(bytes)) => {
             match resolved.and_then(|r| r.model.tokenize(parts.path, bytes)) {
                 None => None,
@@ -497,9 +515,14 @@ pub fn understand(picker: &Picker, parts: &RequestParts<'_>) -> Result<Understoo
     // The engine must cache under the namespace we hashed with: the forwarded salt goes in its
     // field and client salt fields go; otherwise the body goes through untouched.
     let rewritten_body = match (&parsed, parts.body) {
-        (Some(_), Some(bytes)) => {
+        (Some(p), Some(bytes)) => {
             let forwarded = salt.as_ref().map(|s| Namespace::of(&s.value).forwarded());
-            rewrite_salt(bytes, forwarded.as_deref())
+            // Nothing to set and no salt member to remove: the body goes as it came, unscanned.
+            if forwarded.is_none() && !p.has_salt_member() {
+                None
+            } else {
+                rewrite_salt(bytes, forwarded.as_deref())
+            }
         }
         _ => None,
     };

@@ -397,3 +397,18 @@ workers: [{{endpoint: '10.0.0.1:8000', model: m}}]"
     assert!(decide(&reject, &chat_parts(short)).is_ok());
     assert!(router("load_only", 0).is_err());
 }
+
+#[test]
+fn tokens_digest_is_xxh3_of_the_little_endian_token_bytes() {
+    for n in [0usize, 1, 255, 256, 257, 5000] {
+        let tokens: Vec<u32> = (0..n as u32)
+            .map(|i| i.wrapping_mul(2_654_435_761))
+            .collect();
+        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        assert_eq!(
+            super::tokens_digest(&tokens),
+            xxhash_rust::xxh3::xxh3_64(&bytes),
+            "{n} tokens"
+        );
+    }
+}

@@ -2,7 +2,8 @@
 //!
 //! A decision parses JSON, renders a chat template and tokenizes the prompt: milliseconds for a
 //! chat turn, far more for a multi-MiB body. Run inline, that work would stall every gRPC stream,
-//! health check and event feed sharing the I/O thread. So the message that makes the decision runs
+//! health check and event feed sharing the I/O thread. So the message that makes a decision that
+//! may tokenize, or that covers a body of [`INLINE_BODY_BYTES`] or more, runs
 //! on tokio's blocking pool, gated by one of two semaphores chosen by the body's size: a small
 //! lane (bodies under [`SMALL_BODY_BYTES`]) with one permit per core, and a large lane with half
 //! as many (both configurable), so a few huge prompts can occupy at most half the cores and a short chat request
@@ -16,6 +17,14 @@
 //! 1.5–1.8 ms at 19, with 0.2 ms alone). The cost: while the cores are saturated with other work,
 //! a large decision gets a small share of them and takes longer. The priority is never raised
 //! again (that needs a privilege a pod does not have), so these threads do nothing else.
+//!
+//! The rest (a token-ID prompt, or no body, under [`INLINE_BODY_BYTES`]: parsing, hashing and
+//! scoring, ~0.1 ms for 32k tokens) is decided on the I/O thread
+//! ([`StreamHandler::decides_inline`]): handing it to a lane thread and back cost more CPU than
+//! the decision (`benches/e2e.rs`).
+//!
+//! [`INLINE_BODY_BYTES`]: super::stream::INLINE_BODY_BYTES
+//! [`StreamHandler::decides_inline`]: super::stream::StreamHandler::decides_inline
 
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex, mpsc};

@@ -165,34 +165,41 @@ pub fn mutation(set: Vec<HeaderValueOption>, remove: Vec<String>) -> Option<Head
 /// Streams `body` back as body responses of at most [`MAX_CHUNK`] bytes; the last carries
 /// `end_of_stream` when `end` is set. An empty body still yields one (possibly final) message.
 pub(crate) fn stream_body(phase: Phase, body: &[u8], end: bool) -> Vec<ProcessingResponse> {
-    let chunks: Vec<&[u8]> = if body.is_empty() {
-        vec![&[][..]]
-    } else {
-        body.chunks(MAX_CHUNK).collect()
-    };
-    let last = chunks.len() - 1;
-    chunks
-        .into_iter()
+    if body.is_empty() {
+        return vec![streamed_chunk(phase, Vec::new(), end)];
+    }
+    let last = body.len().div_ceil(MAX_CHUNK) - 1;
+    body.chunks(MAX_CHUNK)
         .enumerate()
-        .map(|(i, chunk)| {
-            common(
-                phase,
-                CommonResponse {
-                    body_mutation: Some(BodyMutation {
-                        mutation: Some(body_mutation::Mutation::StreamedResponse(
-                            StreamedBodyResponse {
-                                body: chunk.to_vec(),
-                                end_of_stream: end && i == last,
-                                ..StreamedBodyResponse::default()
-                            },
-                        )),
-                    }),
-                    ..CommonResponse::default()
-                },
-                None,
-            )
-        })
+        .map(|(i, chunk)| streamed_chunk(phase, chunk.to_vec(), end && i == last))
         .collect()
+}
+
+/// [`stream_body`] for a body the caller gives up: one that fits a chunk is sent without a copy.
+pub(crate) fn stream_owned_body(phase: Phase, body: Vec<u8>, end: bool) -> Vec<ProcessingResponse> {
+    if body.len() <= MAX_CHUNK {
+        return vec![streamed_chunk(phase, body, end)];
+    }
+    stream_body(phase, &body, end)
+}
+
+fn streamed_chunk(phase: Phase, chunk: Vec<u8>, end_of_stream: bool) -> ProcessingResponse {
+    common(
+        phase,
+        CommonResponse {
+            body_mutation: Some(BodyMutation {
+                mutation: Some(body_mutation::Mutation::StreamedResponse(
+                    StreamedBodyResponse {
+                        body: chunk,
+                        end_of_stream,
+                        ..StreamedBodyResponse::default()
+                    },
+                )),
+            }),
+            ..CommonResponse::default()
+        },
+        None,
+    )
 }
 
 /// An empty answer to a trailers message.

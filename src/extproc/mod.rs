@@ -173,8 +173,12 @@ async fn run_stream(
                 break;
             }
         };
+        let mut msg = msg;
+        // No tokenizer and a bounded body: cheaper here than on a lane thread.
+        let inline = handler.decides_inline(&mut msg);
         let result = match handler.decides_on(&msg) {
-            // The decisive message (tokenization, scoring) runs off the I/O threads.
+            Some(_) if inline => handler.on_message(msg),
+            // The decisive message that may tokenize, or a large body, runs off the I/O threads.
             Some(body_bytes) => {
                 let work = move || {
                     let out = handler.on_message(msg);

@@ -40,7 +40,12 @@ use crate::decide::{
 };
 use crate::flow::{Admission, FlowControl, Outcome, TenantSlot, Ticket};
 use crate::metrics::Metrics;
+use crate::request::{self, ParsedBody, RequestError};
 use kv_epp_core::salt::TENANT_HEADER;
+
+/// Bodies under this many bytes whose prompt needs no tokenizer are decided on the I/O thread
+/// (a 32k-token token-ID prompt is about 190 KB; parsing it there takes ~0.1 ms).
+pub(crate) const INLINE_BODY_BYTES: usize = 256 << 10;
 
 /// Options of the stream handler (from the configuration).
 #[derive(Clone, Debug)]
@@ -145,6 +150,8 @@ pub struct StreamHandler {
     state: State,
     /// The tenant's in-flight slot (quotas, per-tenant metrics), held until the stream ends.
     slot: Option<TenantSlot>,
+    /// The body as [`StreamHandler::decides_inline`] parsed it, for the decision it precedes.
+    parsed_ahead: Option<Result<ParsedBody, RequestError>>,
 }
 
 impl StreamHandler {
@@ -159,6 +166,7 @@ impl StreamHandler {
             response_body_sent: true,
             state: State::AwaitHeaders,
             slot: None,
+            parsed_ahead: None,
         }
     }
 
@@ -199,6 +207,45 @@ impl StreamHandler {
             (State::CollectBody { body, .. }, Request::RequestTrailers(_)) => Some(body.len()),
             _ => None,
         }
+    }
+
+    /// Whether the decision `msg` makes may run on the calling (I/O) thread: it needs no
+    /// tokenizer (no body, a token-ID prompt, or a body refused as it parses) and its body is
+    /// under [`INLINE_BODY_BYTES`], so parsing, hashing and scoring cost less than handing the
+    /// stream to a lane thread and back. Parses the body to know; the decision reuses that parse.
+    /// To parse it whole, the last chunk joins the buffered body here (drawing on the budget as
+    /// [`StreamHandler::on_message`] would; `msg` keeps an empty chunk), unless the budget is
+    /// full, which `on_message` then refuses as before.
+    pub fn decides_inline(&mut self, msg: &mut ProcessingRequest) -> bool {
+        let Some(bytes) = self.decides_on(msg) else {
+            return false;
+        };
+        if bytes == 0 {
+            return true;
+        }
+        if bytes >= INLINE_BODY_BYTES || bytes > self.opts.max_body_bytes {
+            return false;
+        }
+        let State::CollectBody { body, held, .. } = &mut self.state else {
+            return false;
+        };
+        if let Some(Request::RequestBody(b)) = &mut msg.request
+            && !b.body.is_empty()
+        {
+            if held.grow(b.body.len()).is_err() {
+                return false;
+            }
+            if body.is_empty() {
+                *body = std::mem::take(&mut b.body);
+            } else {
+                body.extend_from_slice(&b.body);
+                b.body = Vec::new();
+            }
+        }
+        let parsed = request::parse(body);
+        let inline = parsed.as_ref().map_or(true, |p| !p.needs_tokenizer());
+        self.parsed_ahead = Some(parsed);
+        inline
     }
 
     /// Ends the stream from the edge's side for `why` (no data in time, a gRPC message over the
@@ -481,10 +528,11 @@ impl StreamHandler {
             subset: head.subset.as_deref(),
             conformance: head.conformance_ips.as_deref(),
         };
-        let request = match decide::understand(&self.picker, &parts) {
-            Ok(r) => r,
-            Err(reject) => return self.refuse(&reject),
-        };
+        let request =
+            match decide::understand_parsed(&self.picker, &parts, self.parsed_ahead.take()) {
+                Ok(r) => r,
+                Err(reject) => return self.refuse(&reject),
+            };
         if let Some(e) = &request.tokenize_failure {
             // Counted whatever happens next: a refusal must not hide our own failure.
             tracing::warn!(error = %e, "tokenization failed; routing on load alone");
@@ -654,10 +702,10 @@ impl StreamHandler {
             Some(messages::decision_metadata(&destination, &decision)),
         )];
         if let (BodyMode::FullDuplex, Some(body), Phase::RequestHeaders) =
-            (self.request_mode, body.as_deref(), phase)
+            (self.request_mode, body, phase)
         {
-            let forward = rewritten.as_deref().unwrap_or(body);
-            out.extend(messages::stream_body(
+            let forward = rewritten.unwrap_or(body);
+            out.extend(messages::stream_owned_body(
                 Phase::RequestBody,
                 forward,
                 body_ends,

@@ -759,3 +759,66 @@ fn salted_requests_to_engines_without_salted_events_are_counted() {
     send(&r, Some("tenant-a"));
     assert_eq!(count(&r), 0);
 }
+
+#[test]
+fn token_id_decisions_run_inline_with_the_same_answer_and_chats_do_not() {
+    let r = router("");
+    let payload = br#"{"model":"m","prompt":[1,2,3,4,5,6,7,8]}"#;
+    // Inline: the decisive chunk joins the body first; the answer is the lane's answer.
+    let mut h = r.handler();
+    h.on_message(headers(&[(":path", "/v1/completions")], false, FULL_DUPLEX))
+        .unwrap();
+    h.on_message(body(&payload[..10], false)).unwrap();
+    let mut last = body(&payload[10..], true);
+    assert!(h.decides_inline(&mut last));
+    assert_eq!(h.decides_on(&last), Some(payload.len()));
+    let (dest, _, bytes, ends, _) = routing_of(&h.on_message(last).unwrap());
+    assert!(!dest.is_empty());
+    assert_eq!((bytes.as_slice(), ends), (&payload[..], 1));
+    drop(h);
+    // A body-less request, and a refused body, need no tokenizer either.
+    let mut h = r.handler();
+    assert!(h.decides_inline(&mut headers(&[], true, FULL_DUPLEX)));
+    let mut h2 = r.handler();
+    h2.on_message(headers(&[], false, BUFFERED)).unwrap();
+    let mut bad = body(b"{", true);
+    assert!(h2.decides_inline(&mut bad));
+    assert_eq!(
+        immediate_status(&h2.on_message(bad).unwrap()).unwrap().0,
+        400
+    );
+    drop(h);
+    // A chat may tokenize: it goes to a lane, and the chunk still arrives whole.
+    let chat = br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+    let mut h = r.handler();
+    h.on_message(headers(
+        &[(":path", "/v1/chat/completions")],
+        false,
+        FULL_DUPLEX,
+    ))
+    .unwrap();
+    let mut last = body(chat, true);
+    assert!(!h.decides_inline(&mut last));
+    let (_, _, bytes, _, _) = routing_of(&h.on_message(last).unwrap());
+    assert_eq!(bytes, chat);
+}
+
+#[test]
+fn a_decisive_chunk_over_the_budget_stays_for_the_503() {
+    let r = router("");
+    let budget = BodyBudget::new(40, Default::default());
+    let mut h = r.handler_with(StreamOptions {
+        body_budget: budget.clone(),
+        flow: None,
+        ..opts()
+    });
+    h.on_message(headers(&[], false, FULL_DUPLEX)).unwrap();
+    h.on_message(body(&[b' '; 30], false)).unwrap();
+    let mut last = body(&[b' '; 11], true);
+    assert!(!h.decides_inline(&mut last));
+    assert_eq!(budget.used(), 30, "nothing taken for the refused chunk");
+    let (code, _, _) = immediate_status(&h.on_message(last).unwrap()).unwrap();
+    assert_eq!(code, 503);
+    drop(h);
+    assert_eq!(budget.used(), 0);
+}

@@ -137,23 +137,31 @@ fn object(b: &[u8], first: Option<Vec<u8>>, kept: &[&[u8]]) -> Vec<u8> {
 pub(crate) fn rewrite_salt(body: &[u8], salt: Option<&str>) -> Option<Vec<u8>> {
     let open = skip_ws(body, 0);
     let (top, end) = members(body, open)?;
-    let nvext = top.iter().find(|m| m.key == "nvext");
-    let nvext_members = nvext.and_then(|m| members(body, m.value_start).map(|(ms, _)| ms));
-    let nvext_has_salt = nvext_members
-        .as_ref()
-        .is_some_and(|ms| ms.iter().any(|m| m.key == SALT));
+    // Every `nvext` member, not only the first: a JSON parser keeps the last of duplicate keys,
+    // so a client salt in any of them could reach the engine.
+    let nvexts: Vec<Option<Vec<Member>>> = top
+        .iter()
+        .map(|m| {
+            (m.key == "nvext")
+                .then(|| members(body, m.value_start).map(|(ms, _)| ms))
+                .flatten()
+        })
+        .collect();
+    let salted = |ms: &Option<Vec<Member>>| {
+        ms.as_ref()
+            .is_some_and(|ms| ms.iter().any(|m| m.key == SALT))
+    };
     let top_has_salt = top.iter().any(|m| m.key == SALT);
-    if salt.is_none() && !top_has_salt && !nvext_has_salt {
+    if salt.is_none() && !top_has_salt && !nvexts.iter().any(salted) {
         return None;
     }
     let mut kept: Vec<Vec<u8>> = Vec::new();
-    for m in &top {
+    for (m, nvext) in top.iter().zip(&nvexts) {
         if m.key == SALT {
             continue;
         }
-        if m.key == "nvext"
-            && nvext_has_salt
-            && let Some(ms) = &nvext_members
+        if let Some(ms) = nvext
+            && salted(nvext)
         {
             let inner: Vec<&[u8]> = ms
                 .iter()
@@ -218,6 +226,24 @@ mod tests {
         )
         .unwrap();
         assert_eq!(json(&out), serde_json::json!({"model":"m","nvext":{}}));
+    }
+
+    #[test]
+    fn a_client_salt_in_a_repeated_nvext_never_reaches_the_engine() {
+        // A JSON parser keeps the last `nvext`; the salt may sit in any of them.
+        for body in [
+            &br#"{"model":"m","nvext":{},"nvext":{"cache_salt":"evil","x":1}}"#[..],
+            br#"{"nvext":{"cache_salt":"evil"},"model":"m","nvext":{"x":1}}"#,
+        ] {
+            for salt in [Some("kvepp:good"), None] {
+                let out = rewrite_salt(body, salt).expect("a client salt is removed");
+                assert!(!String::from_utf8_lossy(&out).contains("evil"), "{salt:?}");
+                assert_eq!(
+                    json(&out)["cache_salt"],
+                    salt.map_or(Value::Null, Value::from)
+                );
+            }
+        }
     }
 
     #[test]

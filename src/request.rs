@@ -173,6 +173,16 @@ enum Key {
 
 struct KeySeed;
 
+/// A visitor as a seed that takes any JSON value (`deserialize_any`).
+struct Any<V>(V);
+
+impl<'de, V: Visitor<'de>> DeserializeSeed<'de> for Any<V> {
+    type Value = V::Value;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<V::Value, D::Error> {
+        d.deserialize_any(self.0)
+    }
+}
+
 impl<'de> DeserializeSeed<'de> for KeySeed {
     type Value = Key;
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Key, D::Error> {
@@ -211,26 +221,26 @@ impl<'de> Visitor<'de> for TopVisitor {
         let mut f = Fields::default();
         while let Some(key) = map.next_key_seed(KeySeed)? {
             match key {
-                Key::Model => f.model = Some(map.next_value_seed(AnyScalar)?),
-                Key::Prompt => f.prompt = Some(map.next_value_seed(PromptSeed)?),
+                Key::Model => f.model = Some(map.next_value_seed(Any(AnyScalar))?),
+                Key::Prompt => f.prompt = Some(map.next_value_seed(Any(PromptSeed))?),
                 Key::Messages => {
-                    map.next_value_seed(Skip)?;
+                    map.next_value_seed(Any(Skip))?;
                     f.messages = true;
                 }
                 Key::MaxCompletionTokens => {
-                    f.max_completion_tokens = map.next_value_seed(AnyScalar)?.as_u64();
+                    f.max_completion_tokens = map.next_value_seed(Any(AnyScalar))?.as_u64();
                 }
-                Key::MaxTokens => f.max_tokens = map.next_value_seed(AnyScalar)?.as_u64(),
+                Key::MaxTokens => f.max_tokens = map.next_value_seed(Any(AnyScalar))?.as_u64(),
                 Key::CacheSalt => {
-                    f.body_salt = map.next_value_seed(AnyScalar)?.salt();
+                    f.body_salt = map.next_value_seed(Any(AnyScalar))?.salt();
                     f.salt_members = true;
                 }
                 Key::Nvext => {
-                    let (salt, member) = map.next_value_seed(NvextSeed)?;
+                    let (salt, member) = map.next_value_seed(Any(NvextSeed))?;
                     f.nvext_salt = salt;
                     f.salt_members |= member;
                 }
-                Key::Other => map.next_value_seed(Skip)?,
+                Key::Other => map.next_value_seed(Any(Skip))?,
             }
         }
         Ok(Some(f))
@@ -263,25 +273,18 @@ impl<'de> Visitor<'de> for TopVisitor {
 #[derive(Clone, Copy)]
 struct Skip;
 
-impl<'de> DeserializeSeed<'de> for Skip {
-    type Value = ();
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
 impl<'de> Visitor<'de> for Skip {
     type Value = ();
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
         f.write_str("a JSON value")
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-        while seq.next_element_seed(Skip)?.is_some() {}
+        while seq.next_element_seed(Any(Skip))?.is_some() {}
         Ok(())
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        while map.next_key_seed(Skip)?.is_some() {
-            map.next_value_seed(Skip)?;
+        while map.next_key_seed(Any(Skip))?.is_some() {
+            map.next_value_seed(Any(Skip))?;
         }
         Ok(())
     }
@@ -332,13 +335,6 @@ impl Scalar {
 
 struct AnyScalar;
 
-impl<'de> DeserializeSeed<'de> for AnyScalar {
-    type Value = Scalar;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Scalar, D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
 impl<'de> Visitor<'de> for AnyScalar {
     type Value = Scalar;
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
@@ -373,13 +369,6 @@ impl<'de> Visitor<'de> for AnyScalar {
 /// `nvext`: its `cache_salt` when it is an object, else absent; and whether it had that member.
 struct NvextSeed;
 
-impl<'de> DeserializeSeed<'de> for NvextSeed {
-    type Value = (SaltValue, bool);
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
 impl<'de> Visitor<'de> for NvextSeed {
     type Value = (SaltValue, bool);
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
@@ -390,10 +379,10 @@ impl<'de> Visitor<'de> for NvextSeed {
         while let Some(key) = map.next_key_seed(KeySeed)? {
             match key {
                 Key::CacheSalt => {
-                    salt = map.next_value_seed(AnyScalar)?.salt();
+                    salt = map.next_value_seed(Any(AnyScalar))?.salt();
                     member = true;
                 }
-                _ => map.next_value_seed(Skip)?,
+                _ => map.next_value_seed(Any(Skip))?,
             }
         }
         Ok((salt, member))
@@ -425,13 +414,6 @@ impl<'de> Visitor<'de> for NvextSeed {
 /// number (every item must then be a u32), a batch when its first item is a string or an array
 /// (routed on that first prompt); any other value is no prompt.
 struct PromptSeed;
-
-impl<'de> DeserializeSeed<'de> for PromptSeed {
-    type Value = Result<Prompt, RequestError>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_any(self)
-    }
-}
 
 impl<'de> Visitor<'de> for PromptSeed {
     type Value = Result<Prompt, RequestError>;
@@ -468,13 +450,13 @@ impl<'de> Visitor<'de> for PromptSeed {
 fn prompt_array<'de, A: SeqAccess<'de>>(
     mut seq: A,
 ) -> Result<Result<Prompt, RequestError>, A::Error> {
-    let out = match seq.next_element_seed(FirstItem)? {
+    let out = match seq.next_element_seed(Any(FirstItem))? {
         None => Ok(Prompt::TokenIds(Vec::new())),
         Some(First::Token(first)) => {
             let mut ids = Vec::with_capacity(seq.size_hint().unwrap_or(1024));
             let mut bad = first.is_none();
             ids.extend(first);
-            while let Some(item) = seq.next_element_seed(AnyScalar)? {
+            while let Some(item) = seq.next_element_seed(Any(AnyScalar))? {
                 match item.as_u64().and_then(|n| u32::try_from(n).ok()) {
                     Some(id) if !bad => ids.push(id),
                     Some(_) => {}
@@ -490,7 +472,7 @@ fn prompt_array<'de, A: SeqAccess<'de>>(
         Some(First::Prompt(p)) => p,
         Some(First::Other) => Err(RequestError::BadTokenIds),
     };
-    while seq.next_element_seed(Skip)?.is_some() {}
+    while seq.next_element_seed(Any(Skip))?.is_some() {}
     Ok(out)
 }
 
@@ -505,13 +487,6 @@ enum First {
 }
 
 struct FirstItem;
-
-impl<'de> DeserializeSeed<'de> for FirstItem {
-    type Value = First;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<First, D::Error> {
-        d.deserialize_any(self)
-    }
-}
 
 impl<'de> Visitor<'de> for FirstItem {
     type Value = First;

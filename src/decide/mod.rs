@@ -356,16 +356,7 @@ pub struct Routed {
 /// A digest of a prompt's token IDs (XXH3-64 over their little-endian bytes): equal digests mean
 /// equal token IDs, partial last block included, without keeping the tokens.
 pub fn tokens_digest(tokens: &[u32]) -> u64 {
-    // Fed 1 KiB at a time: one `update` per token cost more than the hashing itself.
-    let mut h = xxhash_rust::xxh3::Xxh3::new();
-    let mut buf = [0u8; 1024];
-    for chunk in tokens.chunks(buf.len() / 4) {
-        for (out, t) in buf.chunks_exact_mut(4).zip(chunk) {
-            out.copy_from_slice(&t.to_le_bytes());
-        }
-        h.update(&buf[..chunk.len() * 4]);
-    }
-    h.digest()
+    kv_epp_core::hashing::xxh3_64_tokens(tokens, 0)
 }
 
 impl Decision {

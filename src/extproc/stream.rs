@@ -32,7 +32,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::google::protobuf::value::Kind;
 
-use super::budget::{BodyBudget, Held};
+use super::budget::{BodyBudget, Held, OverBudget};
 use super::messages::{self, DESTINATION, LB_NAMESPACE, Phase};
 use super::usage::UsageScanner;
 use crate::decide::{
@@ -42,6 +42,7 @@ use crate::flow::{Admission, FlowControl, Outcome, TenantSlot, Ticket};
 use crate::metrics::Metrics;
 use crate::request::{self, ParsedBody, RequestError};
 use kv_epp_core::salt::TENANT_HEADER;
+use kv_epp_tokenize::request::Endpoint;
 
 /// Bodies under this many bytes whose prompt needs no tokenizer are decided on the I/O thread
 /// (a 32k-token token-ID prompt is about 190 KB; parsing it there takes ~0.1 ms).
@@ -154,6 +155,20 @@ pub struct StreamHandler {
     parsed_ahead: Option<Result<ParsedBody, RequestError>>,
 }
 
+/// Appends a body chunk to the buffered `body`, its bytes drawn on the stream's budget share
+/// first (nothing taken when the budget refuses). The chunk moves when the body is still empty,
+/// so a body that arrives in one chunk is never copied; `chunk` is left empty.
+fn absorb(body: &mut Vec<u8>, held: &mut Held, chunk: &mut Vec<u8>) -> Result<(), OverBudget> {
+    held.grow(chunk.len())?;
+    if body.is_empty() {
+        *body = std::mem::take(chunk);
+    } else {
+        body.extend_from_slice(chunk);
+        *chunk = Vec::new();
+    }
+    Ok(())
+}
+
 impl StreamHandler {
     /// A handler for a new stream deciding with `picker`, counting in `metrics`.
     pub fn new(picker: Arc<Picker>, metrics: Arc<Metrics>, opts: StreamOptions) -> Self {
@@ -212,8 +227,9 @@ impl StreamHandler {
     /// Whether the decision `msg` makes may run on the calling (I/O) thread: it needs no
     /// tokenizer (no body, a token-ID prompt, or a body refused as it parses) and its body is
     /// under [`INLINE_BODY_BYTES`], so parsing, hashing and scoring cost less than handing the
-    /// stream to a lane thread and back. Parses the body to know; the decision reuses that parse.
-    /// To parse it whole, the last chunk joins the buffered body here (drawing on the budget as
+    /// stream to a lane thread and back. A chat or Responses request is known to need one from its
+    /// path, so its body is left for the lane to parse; any other body is parsed here to know, and
+    /// the decision reuses that parse. To parse it whole, the last chunk joins the buffered body here (drawing on the budget as
     /// [`StreamHandler::on_message`] would; `msg` keeps an empty chunk), unless the budget is
     /// full, which `on_message` then refuses as before.
     pub fn decides_inline(&mut self, msg: &mut ProcessingRequest) -> bool {
@@ -226,21 +242,19 @@ impl StreamHandler {
         if bytes >= INLINE_BODY_BYTES || bytes > self.opts.max_body_bytes {
             return false;
         }
-        let State::CollectBody { body, held, .. } = &mut self.state else {
+        let State::CollectBody { head, body, held } = &mut self.state else {
             return false;
         };
+        if matches!(
+            Endpoint::from_path(&head.path),
+            Some(Endpoint::ChatCompletions | Endpoint::Responses)
+        ) {
+            return false;
+        }
         if let Some(Request::RequestBody(b)) = &mut msg.request
-            && !b.body.is_empty()
+            && absorb(body, held, &mut b.body).is_err()
         {
-            if held.grow(b.body.len()).is_err() {
-                return false;
-            }
-            if body.is_empty() {
-                *body = std::mem::take(&mut b.body);
-            } else {
-                body.extend_from_slice(&b.body);
-                b.body = Vec::new();
-            }
+            return false;
         }
         let parsed = request::parse(body);
         let inline = parsed.as_ref().map_or(true, |p| !p.needs_tokenizer());
@@ -289,25 +303,22 @@ impl StreamHandler {
                     mut body,
                     mut held,
                 },
-                Request::RequestBody(b),
+                Request::RequestBody(mut b),
             ) => {
                 if body.len() + b.body.len() > self.opts.max_body_bytes {
                     self.refuse(&Reject::BodyTooLarge {
                         limit: self.opts.max_body_bytes,
                     })
-                } else if held.grow(b.body.len()).is_err() {
+                } else if absorb(&mut body, &mut held, &mut b.body).is_err() {
                     self.refuse(&Reject::BufferFull {
                         budget: self.opts.body_budget.limit(),
                     })
+                } else if b.end_of_stream {
+                    // The body moves into the decision; the guard returns its bytes after it
+                    // (or after the queue, when the request waits there).
+                    self.decide(head, body, true, held, false)
                 } else {
-                    body.extend_from_slice(&b.body);
-                    if b.end_of_stream {
-                        // The body moves into the decision; the guard returns its bytes after it
-                        // (or after the queue, when the request waits there).
-                        self.decide(head, body, true, held, false)
-                    } else {
-                        (State::CollectBody { head, body, held }, Vec::new())
-                    }
+                    (State::CollectBody { head, body, held }, Vec::new())
                 }
             }
             (State::CollectBody { head, body, held }, Request::RequestTrailers(_)) => {
@@ -676,19 +687,21 @@ impl StreamHandler {
             cached_blocks = decision.cached_blocks,
             "routed"
         );
-        let rewritten = decision.request.rewritten_body.take();
+        let mut rewritten = decision.request.rewritten_body.take();
         let destination = decision.destination();
         // From here on the stream keeps only the booking and a fixed-size summary.
         let decision = decision.into_routed();
         let mut set = vec![messages::set_header(DESTINATION, destination.as_bytes())];
         let mut body_mutation = None;
-        if let (BodyMode::Buffered, Some(new)) = (self.request_mode, &rewritten) {
+        if self.request_mode == BodyMode::Buffered
+            && let Some(new) = rewritten.take()
+        {
             set.push(messages::set_header(
                 "content-length",
                 new.len().to_string().as_bytes(),
             ));
             body_mutation = Some(BodyMutation {
-                mutation: Some(body_mutation::Mutation::Body(new.clone())),
+                mutation: Some(body_mutation::Mutation::Body(new)),
             });
         }
         let mut out = vec![messages::common(

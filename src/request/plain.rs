@@ -84,9 +84,9 @@ impl<'a> Reader<'a> {
         }
     }
 
-    /// A string at the cursor: its raw bytes between the quotes, and whether it had escapes
-    /// (only the one-character ones; `\u` is left to the general path).
-    fn string(&mut self) -> Option<(&'a [u8], bool)> {
+    /// A string at the cursor: its raw text between the quotes (checked as UTF-8 once), and
+    /// whether it had escapes (only the one-character ones; `\u` is left to the general path).
+    fn string(&mut self) -> Option<(&'a str, bool)> {
         self.eat(b'"')?;
         let start = self.i;
         let mut escaped = false;
@@ -106,15 +106,14 @@ impl<'a> Reader<'a> {
                 _ => {}
             }
         }
-        let raw = &self.b[start..self.i - 1];
-        std::str::from_utf8(raw).ok()?;
+        let raw = std::str::from_utf8(&self.b[start..self.i - 1]).ok()?;
         Some((raw, escaped))
     }
 
     /// A string whose value is its raw bytes (no escapes).
     fn plain_string(&mut self) -> Option<&'a str> {
         match self.string()? {
-            (raw, false) => std::str::from_utf8(raw).ok(),
+            (raw, false) => Some(raw),
             (_, true) => None,
         }
     }

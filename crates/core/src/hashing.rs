@@ -519,6 +519,12 @@ fn chained<B>(
     (locals, seqs)
 }
 
+/// XXH3-64 with `seed` over the tokens' little-endian bytes (the form every block hash reads),
+/// without copying them on little-endian targets.
+pub fn xxh3_64_tokens(tokens: &[u32], seed: u64) -> u64 {
+    with_le_bytes(tokens, |b| xxh3_64(b, seed))
+}
+
 /// Runs `f` over the tokens as little-endian bytes, without copying on little-endian targets.
 #[inline]
 fn with_le_bytes<R>(tokens: &[u32], f: impl FnOnce(&[u8]) -> R) -> R {

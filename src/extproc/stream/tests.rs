@@ -788,6 +788,15 @@ fn token_id_decisions_run_inline_with_the_same_answer_and_chats_do_not() {
         400
     );
     drop(h);
+    // A text prompt may tokenize: parsed here, decided on a lane, the body forwarded whole.
+    let text = br#"{"model":"m","prompt":"hi"}"#;
+    let mut h = r.handler();
+    h.on_message(headers(&[(":path", "/v1/completions")], false, FULL_DUPLEX))
+        .unwrap();
+    let mut last = body(text, true);
+    assert!(!h.decides_inline(&mut last));
+    let (_, _, bytes, _, _) = routing_of(&h.on_message(last).unwrap());
+    assert_eq!(bytes, text);
     // A chat may tokenize: it goes to a lane, and the chunk still arrives whole.
     let chat = br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
     let mut h = r.handler();

@@ -163,24 +163,17 @@ pub fn mutation(set: Vec<HeaderValueOption>, remove: Vec<String>) -> Option<Head
 }
 
 /// Streams `body` back as body responses of at most [`MAX_CHUNK`] bytes; the last carries
-/// `end_of_stream` when `end` is set. An empty body still yields one (possibly final) message.
-pub(crate) fn stream_body(phase: Phase, body: &[u8], end: bool) -> Vec<ProcessingResponse> {
-    if body.is_empty() {
-        return vec![streamed_chunk(phase, Vec::new(), end)];
+/// `end_of_stream` when `end` is set. An empty body still yields one (possibly final) message, and
+/// a body that fits one chunk is sent as it is, without a copy.
+pub(crate) fn stream_body(phase: Phase, body: Vec<u8>, end: bool) -> Vec<ProcessingResponse> {
+    if body.len() <= MAX_CHUNK {
+        return vec![streamed_chunk(phase, body, end)];
     }
     let last = body.len().div_ceil(MAX_CHUNK) - 1;
     body.chunks(MAX_CHUNK)
         .enumerate()
         .map(|(i, chunk)| streamed_chunk(phase, chunk.to_vec(), end && i == last))
         .collect()
-}
-
-/// [`stream_body`] for a body the caller gives up: one that fits a chunk is sent without a copy.
-pub(crate) fn stream_owned_body(phase: Phase, body: Vec<u8>, end: bool) -> Vec<ProcessingResponse> {
-    if body.len() <= MAX_CHUNK {
-        return vec![streamed_chunk(phase, body, end)];
-    }
-    stream_body(phase, &body, end)
 }
 
 fn streamed_chunk(phase: Phase, chunk: Vec<u8>, end_of_stream: bool) -> ProcessingResponse {
@@ -259,7 +252,7 @@ mod tests {
     #[test]
     fn bodies_are_chunked_and_end_once() {
         let body = vec![7u8; MAX_CHUNK * 2 + 5];
-        let msgs = stream_body(Phase::RequestBody, &body, true);
+        let msgs = stream_body(Phase::RequestBody, body.clone(), true);
         assert_eq!(msgs.len(), 3);
         let mut joined = Vec::new();
         let mut ends = 0;
@@ -278,6 +271,6 @@ mod tests {
         }
         assert_eq!(joined, body);
         assert_eq!(ends, 1);
-        assert_eq!(stream_body(Phase::ResponseBody, &[], true).len(), 1);
+        assert_eq!(stream_body(Phase::ResponseBody, Vec::new(), true).len(), 1);
     }
 }

@@ -338,7 +338,7 @@ impl StreamHandler {
                 Request::RequestBody(b),
             ) => {
                 // Body after a header-time decision: pass it through unchanged.
-                let out = self.pass_body(Phase::RequestBody, self.request_mode, &b);
+                let out = self.pass_body(Phase::RequestBody, self.request_mode, b);
                 (
                     State::Routed {
                         decision,
@@ -369,11 +369,11 @@ impl StreamHandler {
                 },
                 Request::ResponseBody(b),
             ) => {
-                let out = self.pass_body(Phase::ResponseBody, self.response_mode, &b);
+                let end = b.end_of_stream;
                 let usage = match usage {
                     Some(mut scanner) => {
                         scanner.feed(&b.body);
-                        if b.end_of_stream {
+                        if end {
                             self.record_usage(&decision, scanner);
                             None
                         } else {
@@ -382,11 +382,12 @@ impl StreamHandler {
                     }
                     None => None,
                 };
+                let out = self.pass_body(Phase::ResponseBody, self.response_mode, b);
                 (
                     State::Routed {
                         decision,
                         usage,
-                        response_done: b.end_of_stream,
+                        response_done: end,
                     },
                     out,
                 )
@@ -718,7 +719,7 @@ impl StreamHandler {
             (self.request_mode, body, phase)
         {
             let forward = rewritten.unwrap_or(body);
-            out.extend(messages::stream_owned_body(
+            out.extend(messages::stream_body(
                 Phase::RequestBody,
                 forward,
                 body_ends,
@@ -786,9 +787,9 @@ impl StreamHandler {
         (usage, out)
     }
 
-    fn pass_body(&self, phase: Phase, mode: BodyMode, b: &HttpBody) -> Vec<ProcessingResponse> {
+    fn pass_body(&self, phase: Phase, mode: BodyMode, b: HttpBody) -> Vec<ProcessingResponse> {
         match mode {
-            BodyMode::FullDuplex => messages::stream_body(phase, &b.body, b.end_of_stream),
+            BodyMode::FullDuplex => messages::stream_body(phase, b.body, b.end_of_stream),
             BodyMode::Buffered => vec![messages::common(phase, CommonResponse::default(), None)],
         }
     }

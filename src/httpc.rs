@@ -155,10 +155,25 @@ async fn exchange(
     addr: SocketAddr,
     req: Request<Bytes>,
     max_body: usize,
-    mut on_data: impl FnMut(&[u8]),
+    on_data: impl FnMut(&[u8]),
     gate: impl FnOnce() -> bool,
 ) -> Result<Response<Bytes>, HttpError> {
     let stream = TcpStream::connect(addr).await.map_err(HttpError::Connect)?;
+    exchange_over(stream, req, max_body, on_data, gate).await
+}
+
+/// The exchange of [`exchange`] over an open connection (the fuzz target drives it over bytes
+/// in memory).
+pub(crate) async fn exchange_over<S>(
+    stream: S,
+    req: Request<Bytes>,
+    max_body: usize,
+    mut on_data: impl FnMut(&[u8]),
+    gate: impl FnOnce() -> bool,
+) -> Result<Response<Bytes>, HttpError>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+{
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
         .map_err(|e| HttpError::Protocol(e.into()))?;

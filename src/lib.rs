@@ -12,6 +12,8 @@ pub mod events;
 pub mod extproc;
 pub mod flow;
 pub(crate) mod forward;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod httpc;
 pub(crate) mod membership;
 pub mod metrics;

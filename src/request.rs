@@ -69,7 +69,7 @@ impl ParsedBody {
 
 /// A salt field as the body holds it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-enum SaltValue {
+pub(crate) enum SaltValue {
     #[default]
     Absent,
     NotString,
@@ -519,76 +519,84 @@ impl<'de> Visitor<'de> for FirstItem {
     }
 }
 
+/// Model, prompt, max tokens, nvext salt, body salt; or the refusal.
+#[doc(hidden)]
+pub(crate) type Answer =
+    Result<(Option<String>, Prompt, Option<u64>, SaltValue, SaltValue), RequestError>;
+
+/// What `parse` answered before it streamed: the whole body as a `serde_json::Value`, then
+/// the fields read from it. `parse` must answer exactly this for every input (held to it by
+/// the property tests below and by the `request` fuzz target; not used to route).
+#[doc(hidden)]
+pub(crate) fn reference(body: &[u8]) -> Answer {
+    use serde_json::Value;
+
+    fn salt(v: Option<&Value>) -> SaltValue {
+        match v {
+            None | Some(Value::Null) => SaltValue::Absent,
+            Some(Value::String(s)) => SaltValue::Str(s.clone()),
+            Some(_) => SaltValue::NotString,
+        }
+    }
+    fn prompt_of(p: &Value) -> Result<Prompt, RequestError> {
+        Ok(match p {
+            Value::String(s) => Prompt::Text(s.clone()),
+            Value::Array(items) => match items.first() {
+                None => Prompt::TokenIds(Vec::new()),
+                Some(Value::Number(_)) => Prompt::TokenIds(
+                    items
+                        .iter()
+                        .map(|v| {
+                            v.as_u64()
+                                .and_then(|n| u32::try_from(n).ok())
+                                .ok_or(RequestError::BadTokenIds)
+                        })
+                        .collect::<Result<_, _>>()?,
+                ),
+                Some(first @ (Value::String(_) | Value::Array(_))) => prompt_of(first)?,
+                Some(_) => return Err(RequestError::BadTokenIds),
+            },
+            _ => Prompt::None,
+        })
+    }
+    let json: Value =
+        serde_json::from_slice(body).map_err(|e| RequestError::NotJson(e.to_string()))?;
+    if !json.is_object() {
+        return Err(RequestError::NotJson("top level is not an object".into()));
+    }
+    let model = match json.get("model") {
+        Some(Value::String(m)) if !m.is_empty() => Some(m.clone()),
+        _ => return Err(RequestError::MissingModel),
+    };
+    let prompt = match (json.get("prompt"), json.get("messages")) {
+        (Some(p), _) => prompt_of(p)?,
+        (None, Some(_)) => Prompt::Chat,
+        (None, None) => Prompt::None,
+    };
+    let max_tokens = ["max_completion_tokens", "max_tokens"]
+        .iter()
+        .find_map(|k| json.get(*k).and_then(Value::as_u64));
+    let nvext = salt(json.get("nvext").and_then(|n| n.get("cache_salt")));
+    Ok((
+        model,
+        prompt,
+        max_tokens,
+        nvext,
+        salt(json.get("cache_salt")),
+    ))
+}
+
+/// [`parse`]'s answer in the form [`reference`] gives.
+#[doc(hidden)]
+pub(crate) fn streamed(body: &[u8]) -> Answer {
+    parse(body).map(|p| (p.model, p.prompt, p.max_tokens, p.nvext_salt, p.body_salt))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
     use serde_json::Value;
-
-    /// Model, prompt, max tokens, nvext salt, body salt; or the refusal.
-    type Answer = Result<(Option<String>, Prompt, Option<u64>, SaltValue, SaltValue), RequestError>;
-
-    /// What `parse` answered before it streamed: the whole body as a `serde_json::Value`, then
-    /// the fields read from it. `parse` must answer exactly this for every input.
-    fn reference(body: &[u8]) -> Answer {
-        fn salt(v: Option<&Value>) -> SaltValue {
-            match v {
-                None | Some(Value::Null) => SaltValue::Absent,
-                Some(Value::String(s)) => SaltValue::Str(s.clone()),
-                Some(_) => SaltValue::NotString,
-            }
-        }
-        fn prompt_of(p: &Value) -> Result<Prompt, RequestError> {
-            Ok(match p {
-                Value::String(s) => Prompt::Text(s.clone()),
-                Value::Array(items) => match items.first() {
-                    None => Prompt::TokenIds(Vec::new()),
-                    Some(Value::Number(_)) => Prompt::TokenIds(
-                        items
-                            .iter()
-                            .map(|v| {
-                                v.as_u64()
-                                    .and_then(|n| u32::try_from(n).ok())
-                                    .ok_or(RequestError::BadTokenIds)
-                            })
-                            .collect::<Result<_, _>>()?,
-                    ),
-                    Some(first @ (Value::String(_) | Value::Array(_))) => prompt_of(first)?,
-                    Some(_) => return Err(RequestError::BadTokenIds),
-                },
-                _ => Prompt::None,
-            })
-        }
-        let json: Value =
-            serde_json::from_slice(body).map_err(|e| RequestError::NotJson(e.to_string()))?;
-        if !json.is_object() {
-            return Err(RequestError::NotJson("top level is not an object".into()));
-        }
-        let model = match json.get("model") {
-            Some(Value::String(m)) if !m.is_empty() => Some(m.clone()),
-            _ => return Err(RequestError::MissingModel),
-        };
-        let prompt = match (json.get("prompt"), json.get("messages")) {
-            (Some(p), _) => prompt_of(p)?,
-            (None, Some(_)) => Prompt::Chat,
-            (None, None) => Prompt::None,
-        };
-        let max_tokens = ["max_completion_tokens", "max_tokens"]
-            .iter()
-            .find_map(|k| json.get(*k).and_then(Value::as_u64));
-        let nvext = salt(json.get("nvext").and_then(|n| n.get("cache_salt")));
-        Ok((
-            model,
-            prompt,
-            max_tokens,
-            nvext,
-            salt(json.get("cache_salt")),
-        ))
-    }
-
-    fn streamed(body: &[u8]) -> Answer {
-        parse(body).map(|p| (p.model, p.prompt, p.max_tokens, p.nvext_salt, p.body_salt))
-    }
 
     /// JSON values of the shapes request fields take, and the traps around them.
     fn value() -> impl Strategy<Value = String> {

@@ -151,3 +151,24 @@ pub async fn run(
         .run()
         .await;
 }
+
+/// Reads `body` (JSON from the API server, written by whoever may edit the objects) with each of
+/// discovery's readers: a pool's `spec` under both APIs, a Lease, EndpointSlices (an array of
+/// them, by port number and by name). The `kube` fuzz target's entry point; routing never calls
+/// it.
+#[doc(hidden)]
+pub(crate) fn read_untrusted(body: &[u8]) {
+    let _ = lease::parse(body);
+    let Ok(json) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return;
+    };
+    for api in [PoolApi::V1, PoolApi::V1alpha2] {
+        if let Ok(pool) = pool::parse(api, &json) {
+            let _ = pool.label_selector();
+        }
+    }
+    let slices = json.as_array().map(Vec::as_slice).unwrap_or_default();
+    for port in [PortRef::Number(8000), PortRef::Name("http".into())] {
+        let _ = peers::addresses(slices.iter(), &port);
+    }
+}

@@ -113,7 +113,10 @@ async fn follow(
 }
 
 /// The ready and not-ready addresses of `port` over every slice. Pure.
-fn addresses<'a>(slices: impl Iterator<Item = &'a Value>, port: &PortRef) -> ServiceEndpoints {
+pub(super) fn addresses<'a>(
+    slices: impl Iterator<Item = &'a Value>,
+    port: &PortRef,
+) -> ServiceEndpoints {
     let (mut ready, mut not_ready) = (BTreeSet::new(), BTreeSet::new());
     for slice in slices {
         let Some(number) = slice_port(slice, port) else {

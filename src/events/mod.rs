@@ -13,7 +13,7 @@
 //!
 //! Every event reaches the index through the core's one writer, `engine_event::apply`.
 
-mod msgpack;
+pub(crate) mod msgpack;
 pub(crate) mod server_info;
 pub mod subscriber;
 pub mod trtllm;

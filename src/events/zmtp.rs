@@ -216,7 +216,7 @@ pub async fn connect(
 }
 
 /// Our greeting: signature, version 3.0, mechanism NULL, not a server.
-fn greeting() -> [u8; 64] {
+pub(crate) fn greeting() -> [u8; 64] {
     let mut g = [0u8; 64];
     g[0] = 0xFF;
     g[8] = 0x01;
@@ -244,7 +244,11 @@ fn check_greeting(g: &[u8; 64]) -> Result<(), ZmtpError> {
 
 /// A READY command body with the socket type.
 fn ready(socket: SocketType) -> Vec<u8> {
-    let name = socket.name();
+    ready_body(socket.name())
+}
+
+/// A READY command body naming socket type `name`.
+pub(crate) fn ready_body(name: &[u8]) -> Vec<u8> {
     let mut body = Vec::with_capacity(32);
     body.push(5);
     body.extend_from_slice(b"READY");

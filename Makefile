@@ -3,7 +3,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 TRACE ?=
 
-.PHONY: demo demo-quick test tools lint unit sim-test vllm-test helm-test bench fmt clean
+.PHONY: demo demo-quick test tools lint unit sim-test vllm-test helm-test bench fuzz fmt clean
 
 ## The main job on an embedded default workload.
 demo: tools
@@ -60,6 +60,22 @@ bench: tools
 	$(CARGO) bench --bench decide_lanes
 	$(CARGO) bench --bench extproc_load
 	KV_EPP_VENV=$(CURDIR)/.venv $(CARGO) bench --bench e2e
+
+## Coverage-guided fuzzing of every reader of untrusted bytes (fuzz/, a package of its own):
+## FUZZ_SECONDS each (default 60). Not part of `make test`: cargo-fuzz needs nightly-only flags,
+## given to the stable toolchain by RUSTC_BOOTSTRAP=1. Findings land in fuzz/artifacts/TARGET/.
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS := zmtp msgpack event_batch http_response request trtllm kube engine_metrics server_info tokenize_request
+
+fuzz:
+	command -v cargo-fuzz >/dev/null || $(CARGO) install cargo-fuzz --locked
+	for t in $(FUZZ_TARGETS); do \
+	  case $$t in zmtp) d=zmtp;; msgpack|event_batch) d=msgpack;; http_response) d=http;; \
+	    engine_metrics) d=metrics;; *) d=json;; esac; \
+	  RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run --sanitizer none --debug-assertions $$t -- \
+	    -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 -timeout=10 \
+	    -dict=fuzz/dicts/$$d.dict || exit 1; \
+	done
 
 fmt:
 	$(CARGO) fmt --all

@@ -20,17 +20,25 @@ use kv_epp_core::scoring::EngineLoad;
 /// Largest metrics page read (vLLM's is a few tens of KiB).
 const MAX_PAGE: usize = 4 << 20;
 
+/// Most requests a running or waiting figure may say; each sample is clamped to
+/// `0..=MAX_REQUESTS` and so is the sum. Far above any engine's queue, and small enough that the
+/// scorer's `running + waiting` and `queue / (queue + scale)` stay finite: an unclamped sum of
+/// finite samples (two series at 1e308) was infinite, and the cost NaN.
+const MAX_REQUESTS: f64 = 1e9;
+
 /// Parses the figures the scorer uses from a Prometheus text page.
 ///
 /// The page is untrusted and already capped in size by the scrape; parsing is one pass over it,
 /// borrows every name and label set from it, and keeps only the series keys of the two summed
 /// families (to count a repeated series once, the first sample, as Prometheus ingests it). Lines
-/// that do not parse, and NaN or infinite values, are skipped.
+/// that do not parse, and NaN or infinite values, are skipped; request counts are clamped to
+/// `0..=MAX_REQUESTS`.
 ///
 /// Why not a parser crate: `prometheus-parse` (the Apache-licensed one) matches metric names with
 /// `\w+`, so it drops every `vllm:` name, and splits labels on `,` and `=` ignoring quotes;
 /// `openmetrics-parser` is LGPL-3.0; the others are single releases left unmaintained. The text
-/// format's sample line is simple enough that this reader, fuzzed by the tests below, is safer.
+/// format's sample line is simple enough that this reader, fuzzed by the tests below and by the
+/// `engine_metrics` fuzz target, is safer.
 pub(crate) fn parse(text: &str) -> Option<EngineLoad> {
     let mut running = None::<f64>;
     let mut waiting = None::<f64>;
@@ -50,7 +58,8 @@ pub(crate) fn parse(text: &str) -> Option<EngineLoad> {
             _ => continue,
         };
         if seen.insert((sample.name, sample.labels)) {
-            *sum.get_or_insert(0.0) += sample.value;
+            let sum = sum.get_or_insert(0.0);
+            *sum = (*sum + sample.value.clamp(0.0, MAX_REQUESTS)).min(MAX_REQUESTS);
         }
     }
     if running.is_none() && waiting.is_none() && usage.is_none() {
@@ -176,6 +185,18 @@ other_metric 99
             })
         );
         assert_eq!(parse("garbage\nvllm:num_requests_running NaN\n"), None);
+    }
+
+    #[test]
+    fn hostile_figures_stay_finite_and_in_range() {
+        // Two series near f64::MAX summed to infinity, which made the scorer's cost NaN.
+        let page = "vllm:num_requests_running{a=\"1\"} 1e308\n\
+                    vllm:num_requests_running{a=\"2\"} 1e308\n\
+                    vllm:num_requests_waiting -1e308\n";
+        let load = parse(page).unwrap();
+        assert_eq!(load.running, MAX_REQUESTS);
+        assert_eq!(load.waiting, 0.0);
+        assert!((load.running + load.waiting).is_finite());
     }
 
     fn load(running: f64, waiting: f64, kv_usage: f64) -> Option<EngineLoad> {

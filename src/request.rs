@@ -596,7 +596,6 @@ pub(crate) fn streamed(body: &[u8]) -> Answer {
 mod tests {
     use super::*;
     use proptest::prelude::*;
-    use serde_json::Value;
 
     /// JSON values of the shapes request fields take, and the traps around them.
     fn value() -> impl Strategy<Value = String> {

@@ -5,7 +5,9 @@
 //! invariants checked here (the two request-body readers agree; the salt rewrite leaves a body
 //! that reads the same, with only the resolved salt).
 
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -28,27 +30,31 @@ pub fn msgpack_value(bytes: &[u8]) -> Option<usize> {
         .map(<[u8]>::len)
 }
 
+/// A feed of a fresh worker (block size 4, no replay socket) in `dialect`.
+fn feed(dialect: Dialect) -> Feed {
+    let worker = WorkerId::new(([10, 0, 0, 1], 8000).into());
+    let index = Arc::new(KvIndex::new(4, Default::default()));
+    index.add_worker(worker);
+    Feed {
+        worker,
+        index,
+        endpoints: FeedEndpoints {
+            events: "tcp://10.0.0.1:5557".into(),
+            replay: None,
+            topic: String::new(),
+            dialect,
+        },
+        limits: Limits::default(),
+        status: Arc::new(FeedStatus::default()),
+        apply_lock: Default::default(),
+    }
+}
+
 /// A ZeroMQ payload frame applied to a fresh worker index in each engine dialect, as a feed
 /// applies it (decode, normalize, the index's one writer).
 pub fn event_batch(payload: &[u8]) {
     for dialect in [Dialect::Vllm, Dialect::Sglang, Dialect::Trtllm] {
-        let worker = WorkerId::new(([10, 0, 0, 1], 8000).into());
-        let index = Arc::new(KvIndex::new(4, Default::default()));
-        index.add_worker(worker);
-        let feed = Feed {
-            worker,
-            index,
-            endpoints: FeedEndpoints {
-                events: "tcp://10.0.0.1:5557".into(),
-                replay: None,
-                topic: String::new(),
-                dialect,
-            },
-            limits: Limits::default(),
-            status: Arc::new(FeedStatus::default()),
-            apply_lock: Default::default(),
-        };
-        feed.apply_payload(payload);
+        feed(dialect).apply_payload(payload);
     }
 }
 
@@ -135,9 +141,58 @@ pub fn request_body(body: &[u8]) {
     }
 }
 
-/// An in-memory connection: reads `input`, discards what is written.
-fn memory_stream(input: &[u8]) -> impl AsyncRead + AsyncWrite + Send + Unpin + 'static {
-    tokio::io::join(std::io::Cursor::new(input.to_vec()), tokio::io::sink())
+/// An in-memory connection to a peer that answers once spoken to: reads are pending until the
+/// first write, then return `input` and its end; writes are discarded. (A stream whose bytes are
+/// ready before the request is written is read by hyper as an unsolicited message and dropped,
+/// which no TCP peer's answer can be.)
+struct Answering {
+    input: std::io::Cursor<Vec<u8>>,
+    spoken: bool,
+    reader: Option<std::task::Waker>,
+}
+
+fn memory_stream(input: &[u8]) -> Answering {
+    Answering {
+        input: std::io::Cursor::new(input.to_vec()),
+        spoken: false,
+        reader: None,
+    }
+}
+
+impl AsyncRead for Answering {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        if !self.spoken {
+            self.reader = Some(cx.waker().clone());
+            return Poll::Pending;
+        }
+        Pin::new(&mut self.input).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Answering {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        self.spoken = true;
+        if let Some(w) = self.reader.take() {
+            w.wake();
+        }
+        Poll::Ready(Ok(buf.len()))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
 }
 
 /// An engine's HTTP/1.1 response to a request of the project's client, read with a 1 KiB body
@@ -163,7 +218,8 @@ pub async fn http_response(input: &[u8]) {
 /// What a ZeroMQ peer sends: the greeting and handshake, then messages until the input ends, as
 /// a SUB (or, when the first byte is odd, a DEALER) with small limits; when the first byte's
 /// second bit is set, a valid PUB/ROUTER greeting and READY are sent first, so the fuzzer starts
-/// at the frames. Each message's last frame is applied as an event batch.
+/// at the frames. Each message goes to a vLLM feed as published `[topic, seq, payload]` (sequence
+/// rule, replay attempts without a replay socket, apply).
 pub async fn zmtp_peer(input: &[u8]) {
     let Some((&mode, rest)) = input.split_first() else {
         return;
@@ -194,12 +250,11 @@ pub async fn zmtp_peer(input: &[u8]) {
     let Ok(mut conn) = Connection::handshake(memory_stream(&bytes), socket, limits).await else {
         return;
     };
+    let (feed, mut cursor) = (feed(Dialect::Vllm), Default::default());
     while let Ok(frames) = conn.recv().await {
         assert!(frames.len() <= limits.max_frames, "the frame limit held");
         let total: usize = frames.iter().map(Bytes::len).sum();
         assert!(total <= limits.max_message_bytes, "the size limit held");
-        if let Some(last) = frames.last() {
-            event_batch(last);
-        }
+        feed.on_message(&frames, &mut cursor).await;
     }
 }

@@ -1,5 +1,5 @@
 //! A ZeroMQ peer's bytes (greeting, handshake, frames) read by kv-epp's ZMTP client, each
-//! message's last frame applied as an event batch.
+//! message handed to a vLLM feed as a published message.
 #![no_main]
 
 use std::sync::LazyLock;

@@ -226,8 +226,12 @@ fn main() {
 }
 
 /// kv-epp's salted local + chained block hashes against raw XXH3 over the same token bytes
-/// (goal: >= 0.6x of raw), for 16- and 512-token blocks.
+/// (goal: >= 0.6x of raw), for 16- and 512-token blocks, the tokens hashed as prompts of 8,192
+/// tokens, as the query path hashes one request's prompt (as `benches/core.rs` does). One
+/// 1M-token prompt is printed beside it: its two 512 KB output lists are returned to the kernel
+/// after every call, so it also pays page faults, which are not hashing (no request is that long).
 fn hashing(smoke: bool) {
+    const PROMPT: usize = 8192;
     use kv_epp_core::hashing::prompt_hashes;
     let n = if smoke { 1 << 14 } else { 1 << 20 };
     let mut rng = 1u64;
@@ -255,14 +259,21 @@ fn hashing(smoke: bool) {
             black_box(acc);
         });
         let full = best(&mut || {
+            for prompt in tokens.chunks(PROMPT) {
+                black_box(prompt_hashes(prompt, block, seed));
+            }
+        });
+        let whole = best(&mut || {
             black_box(prompt_hashes(&tokens, block, seed));
         });
         let ratio = raw.as_secs_f64() / full.as_secs_f64();
         println!(
-            "hashing, {block}-token blocks: local + chained {:.0} MB/s vs raw xxh3_64 {:.0} MB/s: {ratio:.2}x of raw (goal >= 0.6: {})",
+            "hashing, {block}-token blocks: local + chained {:.0} MB/s vs raw xxh3_64 {:.0} MB/s: {ratio:.2}x of raw (goal >= 0.6: {}); \
+             one 1M-token prompt {:.2}x (page faults on its output)",
             bytes.len() as f64 / full.as_secs_f64() / 1e6,
             bytes.len() as f64 / raw.as_secs_f64() / 1e6,
-            if ratio >= 0.6 { "met" } else { "NOT met" }
+            if ratio >= 0.6 { "met" } else { "NOT met" },
+            raw.as_secs_f64() / whole.as_secs_f64(),
         );
     }
     // The long-input XXH3 alone, on blocks in cache (256 KiB, hashed over and over): kv-epp's

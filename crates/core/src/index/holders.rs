@@ -40,6 +40,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
 use parking_lot::Mutex;
 
+use crate::hashing::SequenceHash;
+
 /// Number of shards; a power of two. The key's top bits pick the shard.
 pub const SHARDS: usize = 8;
 const SHARD_BITS: u32 = SHARDS.trailing_zeros();
@@ -80,6 +82,9 @@ const MORE: u32 = 0b100;
 /// Rescans a reader makes when a key's wide record was retired under it (see
 /// [`Snapshot::visit`]).
 const RESCANS: usize = 8;
+
+/// How many blocks ahead of a lookup a query prefetches the home slot.
+pub const PREFETCH_DISTANCE: usize = 8;
 
 /// Holders at which a key's pairs move into a [`Wide`] record (when its bitset is no larger).
 pub const WIDE_MIN: usize = 16;
@@ -254,7 +259,9 @@ fn is_wide(h: u32) -> bool {
 }
 
 /// One slot: a 64-bit key split in two halves and a holder, 12 bytes with 4-byte alignment, so
-/// a lookup touches one cache line (two at most) instead of one per parallel array.
+/// a lookup touches one cache line (two at most) instead of one per parallel array. Laid out in
+/// this order (`repr(C)`): [`window_keys`] reads slots as 4-byte words.
+#[repr(C)]
 struct Slot {
     key_lo: AtomicU32,
     key_hi: AtomicU32,
@@ -285,6 +292,94 @@ impl Slot {
         self.key_hi.store((key >> 32) as u32, Ordering::Relaxed);
         self.holder.store(holder, Ordering::Release);
     }
+}
+
+/// Slots [`Snapshot::tiers_of`] compares at once from a key's home.
+const WINDOW: usize = 8;
+
+/// The tiers of worker `slot`'s pair of `key` when one lies in `win` (0 when none does): the
+/// keys' low halves of all of its slots compared at once, instead of a branch per slot. No run
+/// needs checking: a live slot holding `key` is always one of that key's pairs wherever it lies
+/// (a slot's key never changes while it is non-empty).
+#[inline]
+fn window_tiers(win: &[Slot; WINDOW], key: u64, slot: u32) -> u8 {
+    let mut keys = window_keys(win, key as u32);
+    while keys != 0 {
+        // Bit n is the window's 4-byte word n, the low half of slot n / 3's key.
+        if let Some(s) = win.get(keys.trailing_zeros() as usize / 3) {
+            // The holder first, as a scan reads it: it publishes the key. A tombstone's slot
+            // bits are all ones, a wide record's reference has no tier bits, an empty slot is 0.
+            let h = s.holder();
+            if h & !(MORE | 0b11) == slot << 3
+                && h & 0b11 != 0
+                && s.key_hi.load(Ordering::Relaxed) == (key >> 32) as u32
+            {
+                return (h & 0b11) as u8;
+            }
+        }
+        keys &= keys - 1;
+    }
+    0
+}
+
+/// Bit `3j` set when slot `j` of `win` seemed to have a key whose low half is `lo`: a hint (a
+/// slot filled meanwhile may be seen either way), which [`window_tiers`] confirms.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn window_keys(win: &[Slot; WINDOW], lo: u32) -> u32 {
+    use std::arch::x86_64::{
+        __m128i, _mm_cmpeq_epi32, _mm_loadu_si128, _mm_movemask_epi8, _mm_packs_epi16,
+        _mm_packs_epi32, _mm_set1_epi32,
+    };
+    const _: () = assert!(WINDOW == 8);
+    let p = win.as_ptr().cast::<__m128i>();
+    // SAFETY: `win` is 8 slots of 12 bytes, read as six unaligned 16-byte vectors (SSE2 is part
+    // of x86-64). Writers may store to these atomics meanwhile: on x86 a vector load reads each
+    // aligned 4-byte word whole, as a relaxed atomic load would. The rest are register
+    // operations.
+    unsafe {
+        let k = _mm_set1_epi32(lo as i32);
+        let eq = |j| _mm_cmpeq_epi32(_mm_loadu_si128(p.add(j)), k);
+        // Each 32-bit lane's result narrowed to a byte, in order: bit `n` of the mask is lane
+        // `n` (slot n / 3, word n % 3 of it).
+        let low = _mm_packs_epi16(_mm_packs_epi32(eq(0), eq(1)), _mm_packs_epi32(eq(2), eq(3)));
+        let high = _mm_packs_epi16(_mm_packs_epi32(eq(4), eq(5)), k);
+        let m = (_mm_movemask_epi8(low) as u32) | ((_mm_movemask_epi8(high) as u32 & 0xff) << 16);
+        m & 0o1111_1111
+    }
+}
+
+/// Hints the CPU to fetch a window's first and last cache lines.
+#[inline]
+fn prefetch_window(win: &[Slot; WINDOW]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        let first = win.as_ptr().cast::<i8>();
+        let last = first.wrapping_add(std::mem::size_of_val(win) - 1);
+        // SAFETY: prefetch is a hint with no memory-safety requirements.
+        unsafe {
+            _mm_prefetch(first, _MM_HINT_T0);
+            _mm_prefetch(last, _MM_HINT_T0);
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = win;
+    }
+}
+
+/// [`window_keys`] without vector loads.
+#[cfg(not(target_arch = "x86_64"))]
+#[inline]
+fn window_keys(win: &[Slot; WINDOW], lo: u32) -> u32 {
+    let mut keys = 0;
+    for (j, s) in win.iter().enumerate() {
+        if s.key_lo.load(Ordering::Relaxed) == lo {
+            keys |= 1 << (3 * j);
+        }
+    }
+    keys
 }
 
 struct Table {
@@ -1221,11 +1316,77 @@ impl<'g> Snapshot<'g> {
         wide
     }
 
+    /// How far worker `slot` holds a prompt from block `from` on: the first block it does not
+    /// hold (or the prompt's length), and, when `device` (its device run is whole so far), the
+    /// first block it holds only offloaded. `seqs` are the prompt's prefix hashes and `hashes`
+    /// them hashed by [`Snapshot::hash`]. One [`Snapshot::tiers_of`] per block, the home slot
+    /// prefetched [`PREFETCH_DISTANCE`] blocks ahead.
+    pub fn run_of(
+        &self,
+        seqs: &[SequenceHash],
+        hashes: &[u64],
+        from: usize,
+        slot: u32,
+        mut device: bool,
+    ) -> (usize, Option<usize>) {
+        const D: usize = PREFETCH_DISTANCE;
+        let mut offload_from = None;
+        let n = seqs.len().min(hashes.len());
+        // The windows of the next D blocks, each found (and prefetched) once, D blocks ahead.
+        let mut ring: [Option<&'g [Slot; WINDOW]>; D] = [None; D];
+        for pos in from..n.min(from + D) {
+            ring[pos % D] = self.window(hashes[pos]);
+        }
+        for pos in from..n {
+            let win = ring[pos % D];
+            if let Some(&ahead) = hashes.get(pos + D) {
+                let next = self.window(ahead);
+                if let Some(w) = next {
+                    prefetch_window(w);
+                }
+                ring[pos % D] = next;
+            }
+            let key = seqs[pos].0;
+            let tiers = match win.map_or(0, |w| window_tiers(w, key, slot)) {
+                0 => self.tiers_in_run(key, hashes[pos], slot),
+                t => t,
+            };
+            if tiers == 0 {
+                return (pos, offload_from);
+            }
+            if device && tiers & 0b01 == 0 {
+                offload_from = Some(pos);
+                device = false;
+            }
+        }
+        (n, offload_from)
+    }
+
+    /// The [`WINDOW`] slots from the home of the key hashed to `m` (none when they would pass
+    /// the end of its table).
+    #[inline]
+    fn window(&self, m: u64) -> Option<&'g [Slot; WINDOW]> {
+        let table = self.tables[(m >> (64 - SHARD_BITS)) as usize];
+        let i = table.home(m);
+        table.slots.get(i..i + WINDOW)?.try_into().ok()
+    }
+
     /// The tiers worker `slot` holds `key` in (0: not a holder), `key` hashed to `m` by
-    /// [`Snapshot::hash`]: [`Snapshot::visit`] narrowed to one worker, which stops at that
-    /// worker's pair. A key met as a wide record takes the general path.
+    /// [`Snapshot::hash`]: [`Snapshot::visit`] narrowed to one worker. The first [`WINDOW`]
+    /// slots from the key's home are compared at once, without a branch per slot; the pair is
+    /// nearly always there. Otherwise the key's run is scanned, stopping at that worker's pair;
+    /// a key met as a wide record takes the general path.
     #[inline]
     pub fn tiers_of(&self, key: u64, m: u64, slot: u32) -> u8 {
+        match self.window(m).map_or(0, |w| window_tiers(w, key, slot)) {
+            0 => self.tiers_in_run(key, m, slot),
+            t => t,
+        }
+    }
+
+    /// [`Snapshot::tiers_of`] by a scan of the key's run.
+    #[inline(never)]
+    fn tiers_in_run(&self, key: u64, m: u64, slot: u32) -> u8 {
         let table = self.tables[(m >> (64 - SHARD_BITS)) as usize];
         let slots: &[Slot] = &table.slots;
         let (lo, hi) = (key as u32, (key >> 32) as u32);
@@ -1438,6 +1599,72 @@ mod tests {
         assert_eq!(t.insert(5, 2, 1), Inserted::NewPair);
         assert_eq!(t.insert(5, 1, 2), Inserted::NewPair);
         assert_eq!(holders(&t, 5), vec![(1, 2), (2, 1)]);
+    }
+
+    /// The tiers worker `slot` holds `key` in, by the general lookup.
+    fn tiers_by_visit(t: &HolderTable, key: u64, slot: u32) -> u8 {
+        let guard = epoch::pin();
+        let mut tiers = 0;
+        t.for_each(key, &guard, |h| {
+            if h.slot() == slot {
+                tiers |= h.tiers();
+            }
+        });
+        tiers
+    }
+
+    #[test]
+    fn one_worker_lookups_agree_with_the_general_lookup() {
+        // Keys sharing their low half (the window compares it first), keys held by one to
+        // twenty workers (wide records from 16), tombstones, and tables near their fill limit,
+        // so that runs are long, windows miss, and some pass the end of a table.
+        let t = HolderTable::new();
+        let key = |k: u64| (k % 500) | (k / 500) << 32;
+        let holders_of = |k: u64| 1 + (k % 7) * (k % 3) + if k % 97 == 0 { 19 } else { 0 };
+        let n = 6_000u64;
+        for k in 0..n {
+            for w in 0..holders_of(k) {
+                t.insert(key(k), ((k + w * 5) % 40) as u32, 1 + (k + w) as u8 % 3);
+            }
+        }
+        for k in (0..n).step_by(4) {
+            t.remove(key(k), (k % 40) as u32, 3);
+        }
+        let guard = epoch::pin();
+        let snap = t.snapshot(&guard);
+        for k in 0..n + 50 {
+            let m = snap.hash(key(k));
+            for w in [k % 40, (k + 5) % 40, (k + 17) % 40] {
+                let w = w as u32;
+                assert_eq!(
+                    snap.tiers_of(key(k), m, w),
+                    tiers_by_visit(&t, key(k), w),
+                    "key {k} worker {w}"
+                );
+            }
+        }
+        // A run over a "prompt" of keys: where the worker stops holding, and where its device
+        // run breaks.
+        let seqs: Vec<SequenceHash> = (0..n).map(|k| SequenceHash(key(k))).collect();
+        let hashes: Vec<u64> = seqs.iter().map(|s| snap.hash(s.0)).collect();
+        for from in [0, 1, 7, 300] {
+            for w in [0u32, 1, 13] {
+                let mut end = seqs.len();
+                let mut offload = None;
+                for (pos, s) in seqs.iter().enumerate().skip(from) {
+                    let tiers = tiers_by_visit(&t, s.0, w);
+                    if tiers == 0 {
+                        end = pos;
+                        break;
+                    }
+                    if offload.is_none() && tiers & 1 == 0 {
+                        offload = Some(pos);
+                    }
+                }
+                assert_eq!(snap.run_of(&seqs, &hashes, from, w, true), (end, offload));
+                assert_eq!(snap.run_of(&seqs, &hashes, from, w, false), (end, None));
+            }
+        }
     }
 
     #[test]

@@ -260,7 +260,7 @@ fn is_wide(h: u32) -> bool {
 
 /// One slot: a 64-bit key split in two halves and a holder, 12 bytes with 4-byte alignment, so
 /// a lookup touches one cache line (two at most) instead of one per parallel array. Laid out in
-/// this order (`repr(C)`): [`window_keys`] reads slots as 4-byte words.
+/// this order (`repr(C)`): [`lanes_equal`] reads slots as 4-byte words.
 #[repr(C)]
 struct Slot {
     key_lo: AtomicU32,
@@ -303,7 +303,7 @@ const WINDOW: usize = 8;
 /// (a slot's key never changes while it is non-empty).
 #[inline]
 fn window_tiers(win: &[Slot; WINDOW], key: u64, slot: u32) -> u8 {
-    let mut keys = window_keys(win, key as u32);
+    let mut keys = lanes_equal(win, key as u32) & KEY_LANES;
     while keys != 0 {
         // Bit n is the window's 4-byte word n, the low half of slot n / 3's key.
         if let Some(s) = win.get(keys.trailing_zeros() as usize / 3) {
@@ -322,31 +322,49 @@ fn window_tiers(win: &[Slot; WINDOW], key: u64, slot: u32) -> u8 {
     0
 }
 
-/// Bit `3j` set when slot `j` of `win` seemed to have a key whose low half is `lo`: a hint (a
-/// slot filled meanwhile may be seen either way), which [`window_tiers`] confirms.
+/// Bits of [`lanes_equal`] for the slots' low key halves, and for their holders.
+const KEY_LANES: u32 = 0o1111_1111;
+const HOLDER_LANES: u32 = 0o4444_4444;
+
+/// Bit `n` set when the `n`th 4-byte word of `win` seemed to equal `x` (word `3j` is slot `j`'s
+/// low key half, `3j + 2` its holder): a hint (a slot written meanwhile may be seen either
+/// way), which callers confirm with atomic loads.
 #[cfg(target_arch = "x86_64")]
 #[inline]
-fn window_keys(win: &[Slot; WINDOW], lo: u32) -> u32 {
+fn lanes_equal(win: &[Slot; WINDOW], x: u32) -> u32 {
     use std::arch::x86_64::{
         __m128i, _mm_cmpeq_epi32, _mm_loadu_si128, _mm_movemask_epi8, _mm_packs_epi16,
         _mm_packs_epi32, _mm_set1_epi32,
     };
     const _: () = assert!(WINDOW == 8);
     let p = win.as_ptr().cast::<__m128i>();
-    // SAFETY: `win` is 8 slots of 12 bytes, read as six unaligned 16-byte vectors (SSE2 is part
-    // of x86-64). Writers may store to these atomics meanwhile: on x86 a vector load reads each
-    // aligned 4-byte word whole, as a relaxed atomic load would. The rest are register
-    // operations.
+    // SAFETY: `win` is 8 slots of 12 bytes (`repr(C)`), read as six unaligned 16-byte vectors
+    // (SSE2 is part of x86-64). Writers may store to these atomics meanwhile: on x86 a vector
+    // load reads each aligned 4-byte word whole, as a relaxed atomic load would. The rest are
+    // register operations.
     unsafe {
-        let k = _mm_set1_epi32(lo as i32);
+        let k = _mm_set1_epi32(x as i32);
         let eq = |j| _mm_cmpeq_epi32(_mm_loadu_si128(p.add(j)), k);
-        // Each 32-bit lane's result narrowed to a byte, in order: bit `n` of the mask is lane
-        // `n` (slot n / 3, word n % 3 of it).
+        // Each word's result narrowed to a byte, in order.
         let low = _mm_packs_epi16(_mm_packs_epi32(eq(0), eq(1)), _mm_packs_epi32(eq(2), eq(3)));
         let high = _mm_packs_epi16(_mm_packs_epi32(eq(4), eq(5)), k);
-        let m = (_mm_movemask_epi8(low) as u32) | ((_mm_movemask_epi8(high) as u32 & 0xff) << 16);
-        m & 0o1111_1111
+        (_mm_movemask_epi8(low) as u32) | ((_mm_movemask_epi8(high) as u32 & 0xff) << 16)
     }
+}
+
+/// [`lanes_equal`] without vector loads.
+#[cfg(not(target_arch = "x86_64"))]
+#[inline]
+fn lanes_equal(win: &[Slot; WINDOW], x: u32) -> u32 {
+    let mut bits = 0;
+    for (j, s) in win.iter().enumerate() {
+        for (w, word) in [&s.key_lo, &s.key_hi, &s.holder].into_iter().enumerate() {
+            if word.load(Ordering::Relaxed) == x {
+                bits |= 1 << (3 * j + w);
+            }
+        }
+    }
+    bits
 }
 
 /// Hints the CPU to fetch a window's first and last cache lines.
@@ -367,19 +385,6 @@ fn prefetch_window(win: &[Slot; WINDOW]) {
     {
         let _ = win;
     }
-}
-
-/// [`window_keys`] without vector loads.
-#[cfg(not(target_arch = "x86_64"))]
-#[inline]
-fn window_keys(win: &[Slot; WINDOW], lo: u32) -> u32 {
-    let mut keys = 0;
-    for (j, s) in win.iter().enumerate() {
-        if s.key_lo.load(Ordering::Relaxed) == lo {
-            keys |= 1 << (3 * j);
-        }
-    }
-    keys
 }
 
 struct Table {
@@ -1348,7 +1353,7 @@ impl<'g> Snapshot<'g> {
             }
             let key = seqs[pos].0;
             let tiers = match win.map_or(0, |w| window_tiers(w, key, slot)) {
-                0 => self.tiers_in_run(key, hashes[pos], slot),
+                0 => self.tiers_past(key, hashes[pos], slot),
                 t => t,
             };
             if tiers == 0 {
@@ -1379,18 +1384,64 @@ impl<'g> Snapshot<'g> {
     #[inline]
     pub fn tiers_of(&self, key: u64, m: u64, slot: u32) -> u8 {
         match self.window(m).map_or(0, |w| window_tiers(w, key, slot)) {
-            0 => self.tiers_in_run(key, m, slot),
+            0 => self.tiers_past(key, m, slot),
             t => t,
         }
     }
 
-    /// [`Snapshot::tiers_of`] by a scan of the key's run.
+    /// [`Snapshot::tiers_of`] when the first window held no pair of `slot`: the key's run
+    /// window by window (a key's pairs all lie in its run, which ends at the first empty slot
+    /// from its home), then slot by slot where a window would pass the table's end.
     #[inline(never)]
-    fn tiers_in_run(&self, key: u64, m: u64, slot: u32) -> u8 {
+    fn tiers_past(&self, key: u64, m: u64, slot: u32) -> u8 {
         let table = self.tables[(m >> (64 - SHARD_BITS)) as usize];
         let slots: &[Slot] = &table.slots;
-        let (lo, hi) = (key as u32, (key >> 32) as u32);
         let mut i = table.home(m);
+        for _ in 0..slots.len() / WINDOW + 1 {
+            let Some(win) = slots.get(i..i + WINDOW).and_then(|w| w.try_into().ok()) else {
+                break;
+            };
+            let empty = lanes_equal(win, 0) & HOLDER_LANES;
+            let run = if empty == 0 {
+                u32::MAX
+            } else {
+                (1 << empty.trailing_zeros()) - 1
+            };
+            let mut keys = lanes_equal(win, key as u32) & KEY_LANES & run;
+            while keys != 0 {
+                let Some(s) = win.get(keys.trailing_zeros() as usize / 3) else {
+                    break;
+                };
+                keys &= keys - 1;
+                let h = s.holder();
+                if h == 0 || h == TOMBSTONE || !s.is_key(key) {
+                    continue;
+                }
+                if is_wide(h) {
+                    return self.tiers_in_visit(key, m, slot);
+                }
+                if Holder(h).slot() == slot {
+                    return Holder(h).tiers();
+                }
+                if h & MORE == 0 {
+                    return 0;
+                }
+            }
+            if empty != 0 {
+                return 0;
+            }
+            i += WINDOW;
+        }
+        self.tiers_in_run(table, i, key, m, slot)
+    }
+
+    /// [`Snapshot::tiers_of`] by a scan of the key's run from slot `i` on.
+    fn tiers_in_run(&self, table: &Table, mut i: usize, key: u64, m: u64, slot: u32) -> u8 {
+        let slots: &[Slot] = &table.slots;
+        let (lo, hi) = (key as u32, (key >> 32) as u32);
+        if i >= slots.len() {
+            i = 0;
+        }
         // Every table keeps an empty slot; the bound is belt and braces.
         for _ in 0..slots.len() {
             let Some(s) = slots.get(i) else { break };

@@ -214,8 +214,17 @@ fn main() {
         hashing(smoke);
         machine_scaling(&settings);
     }
+    // `--shape WORKERS,TENANTS`: that shape alone (to profile it).
+    let shape = args
+        .iter()
+        .position(|a| a == "--shape")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.split_once(','))
+        .and_then(|(w, t)| Some((w.parse().ok()?, t.parse().ok()?)));
     let shapes: &[(usize, usize)] = if smoke {
         &[(8, 2)]
+    } else if let Some(shape) = &shape {
+        std::slice::from_ref(shape)
     } else if quick {
         &[(256, 1)]
     } else {

@@ -160,11 +160,11 @@ fn close_bits(
     words: impl Iterator<Item = u64>,
 ) {
     let start = bit_groups.len();
-    let mut n = 0;
-    for x in words {
-        n += x.count_ones() as usize;
-        bit_groups.push(x);
-    }
+    bit_groups.extend(words);
+    let n: usize = bit_groups[start..]
+        .iter()
+        .map(|x| x.count_ones() as usize)
+        .sum();
     if n == 0 {
         bit_groups.truncate(start);
         return;

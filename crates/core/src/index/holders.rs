@@ -303,21 +303,25 @@ const WINDOW: usize = 8;
 /// (a slot's key never changes while it is non-empty).
 #[inline]
 fn window_tiers(win: &[Slot; WINDOW], key: u64, slot: u32) -> u8 {
+    // SAFETY: a `repr(C)` slot is three `AtomicU32`s without padding, so a window is 3 × WINDOW
+    // of them in order.
+    let words: &[AtomicU32; 3 * WINDOW] = unsafe { &*win.as_ptr().cast() };
     let mut keys = lanes_equal(win, key as u32) & KEY_LANES;
     while keys != 0 {
-        // Bit n is the window's 4-byte word n, the low half of slot n / 3's key.
-        if let Some(s) = win.get(keys.trailing_zeros() as usize / 3) {
+        // Bit n is word n, the low half of a slot's key; its high half and holder follow.
+        let n = keys.trailing_zeros() as usize;
+        keys &= keys - 1;
+        if let (Some(hi), Some(holder)) = (words.get(n + 1), words.get(n + 2)) {
             // The holder first, as a scan reads it: it publishes the key. A tombstone's slot
             // bits are all ones, a wide record's reference has no tier bits, an empty slot is 0.
-            let h = s.holder();
+            let h = holder.load(Ordering::Acquire);
             if h & !(MORE | 0b11) == slot << 3
                 && h & 0b11 != 0
-                && s.key_hi.load(Ordering::Relaxed) == (key >> 32) as u32
+                && hi.load(Ordering::Relaxed) == (key >> 32) as u32
             {
                 return (h & 0b11) as u8;
             }
         }
-        keys &= keys - 1;
     }
     0
 }

@@ -1675,7 +1675,7 @@ mod tests {
         // so that runs are long, windows miss, and some pass the end of a table.
         let t = HolderTable::new();
         let key = |k: u64| (k % 500) | (k / 500) << 32;
-        let holders_of = |k: u64| 1 + (k % 7) * (k % 3) + if k % 97 == 0 { 19 } else { 0 };
+        let holders_of = |k: u64| 1 + (k % 7) * (k % 3) + if k.is_multiple_of(97) { 19 } else { 0 };
         let n = 6_000u64;
         for k in 0..n {
             for w in 0..holders_of(k) {

@@ -1842,6 +1842,60 @@ mod tests {
     }
 
     #[test]
+    fn one_worker_runs_stay_whole_while_writers_churn() {
+        use std::sync::Arc;
+        let t = Arc::new(HolderTable::new());
+        // Keys 0..200 are always held by worker 7; a writer churns other keys (growth,
+        // tombstones, shrinking) and moves some of the steady keys into wide records and back.
+        let steady: Vec<SequenceHash> = (0..200u64).map(|k| SequenceHash(k << 40 | k)).collect();
+        for s in &steady {
+            t.insert(s.0, 7, 1);
+        }
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let rounds = Arc::new(AtomicUsize::new(0));
+        let writer = {
+            let (t, stop, rounds, steady) =
+                (t.clone(), stop.clone(), rounds.clone(), steady.clone());
+            std::thread::spawn(move || {
+                let mut k = 1u64 << 50;
+                while !stop.load(Ordering::Relaxed) {
+                    for _ in 0..64 {
+                        t.insert(k, (k % 5) as u32, 1);
+                        if k >= (1 << 50) + 3_000 {
+                            t.remove(k - 3_000, ((k - 3_000) % 5) as u32, 1);
+                        }
+                        k += 1;
+                    }
+                    let s = steady[(k / 64) as usize % steady.len()].0;
+                    for w in 8..40 {
+                        t.insert(s, w, 2);
+                    }
+                    for w in 8..40 {
+                        t.remove(s, w, 2);
+                    }
+                    rounds.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        };
+        // Until the writer has grown the table and moved keys many times over.
+        let mut reads = 0;
+        while reads < 2_000 || rounds.load(Ordering::Relaxed) < 200 {
+            reads += 1;
+            let guard = epoch::pin();
+            let snap = t.snapshot(&guard);
+            let hashes: Vec<u64> = steady.iter().map(|s| snap.hash(s.0)).collect();
+            assert_eq!(
+                snap.run_of(&steady, &hashes, 0, 7, true),
+                (steady.len(), None)
+            );
+            let s = steady[17].0;
+            assert_eq!(snap.tiers_of(s, snap.hash(s), 7), 1);
+        }
+        stop.store(true, Ordering::Relaxed);
+        writer.join().unwrap();
+    }
+
+    #[test]
     fn readers_see_consistent_holders_while_writers_churn() {
         use std::sync::Arc;
         let t = Arc::new(HolderTable::new());

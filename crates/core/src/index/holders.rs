@@ -259,9 +259,7 @@ fn is_wide(h: u32) -> bool {
 }
 
 /// One slot: a 64-bit key split in two halves and a holder, 12 bytes with 4-byte alignment, so
-/// a lookup touches one cache line (two at most) instead of one per parallel array. Laid out in
-/// this order (`repr(C)`): [`lanes_equal`] reads slots as 4-byte words.
-#[repr(C)]
+/// a lookup touches one cache line (two at most) instead of one per parallel array.
 struct Slot {
     key_lo: AtomicU32,
     key_hi: AtomicU32,
@@ -303,72 +301,43 @@ const WINDOW: usize = 8;
 /// (a slot's key never changes while it is non-empty).
 #[inline]
 fn window_tiers(win: &[Slot; WINDOW], key: u64, slot: u32) -> u8 {
-    // SAFETY: a `repr(C)` slot is three `AtomicU32`s without padding, so a window is 3 × WINDOW
-    // of them in order.
-    let words: &[AtomicU32; 3 * WINDOW] = unsafe { &*win.as_ptr().cast() };
-    let mut keys = lanes_equal(win, key as u32) & KEY_LANES;
+    let mut keys = key_lanes(win, key as u32);
     while keys != 0 {
-        // Bit n is word n, the low half of a slot's key; its high half and holder follow.
-        let n = keys.trailing_zeros() as usize;
+        let Some(s) = win.get(keys.trailing_zeros() as usize / 3) else {
+            break;
+        };
         keys &= keys - 1;
-        if let (Some(hi), Some(holder)) = (words.get(n + 1), words.get(n + 2)) {
-            // The holder first, as a scan reads it: it publishes the key. A tombstone's slot
-            // bits are all ones, a wide record's reference has no tier bits, an empty slot is 0.
-            let h = holder.load(Ordering::Acquire);
-            if h & !(MORE | 0b11) == slot << 3
-                && h & 0b11 != 0
-                && hi.load(Ordering::Relaxed) == (key >> 32) as u32
-            {
-                return (h & 0b11) as u8;
-            }
+        // The holder first, as a scan reads it: it publishes the key. A tombstone's slot bits
+        // are all ones, a wide record's reference has no tier bits, an empty slot is 0.
+        let h = s.holder();
+        if h & !(MORE | 0b11) == slot << 3
+            && h & 0b11 != 0
+            && s.key_hi.load(Ordering::Relaxed) == (key >> 32) as u32
+        {
+            return (h & 0b11) as u8;
         }
     }
     0
 }
 
-/// Bits of [`lanes_equal`] for the slots' low key halves, and for their holders.
-const KEY_LANES: u32 = 0o1111_1111;
-const HOLDER_LANES: u32 = 0o4444_4444;
-
-/// Bit `n` set when the `n`th 4-byte word of `win` seemed to equal `x` (word `3j` is slot `j`'s
-/// low key half, `3j + 2` its holder): a hint (a slot written meanwhile may be seen either
-/// way), which callers confirm with atomic loads.
-#[cfg(target_arch = "x86_64")]
+/// Bit `3j` set when slot `j` of `win` holds a key whose low half is `x` (bit `n` names the
+/// window's `n`th 4-byte word: `3j` is slot `j`'s low key half, `3j + 2` its holder). Eight
+/// relaxed atomic loads and no branch: which slot matches changes with every key, so a branch
+/// per slot is mispredicted, while these loads and compares overlap. A hint (a slot written
+/// meanwhile may be seen either way), which callers confirm with acquire loads.
 #[inline]
-fn lanes_equal(win: &[Slot; WINDOW], x: u32) -> u32 {
-    use std::arch::x86_64::{
-        __m128i, _mm_cmpeq_epi32, _mm_loadu_si128, _mm_movemask_epi8, _mm_packs_epi16,
-        _mm_packs_epi32, _mm_set1_epi32,
-    };
-    const _: () = assert!(WINDOW == 8);
-    let p = win.as_ptr().cast::<__m128i>();
-    // SAFETY: `win` is 8 slots of 12 bytes (`repr(C)`), read as six unaligned 16-byte vectors
-    // (SSE2 is part of x86-64). Writers may store to these atomics meanwhile: on x86 a vector
-    // load reads each aligned 4-byte word whole, as a relaxed atomic load would. The rest are
-    // register operations.
-    unsafe {
-        let k = _mm_set1_epi32(x as i32);
-        let eq = |j| _mm_cmpeq_epi32(_mm_loadu_si128(p.add(j)), k);
-        // Each word's result narrowed to a byte, in order.
-        let low = _mm_packs_epi16(_mm_packs_epi32(eq(0), eq(1)), _mm_packs_epi32(eq(2), eq(3)));
-        let high = _mm_packs_epi16(_mm_packs_epi32(eq(4), eq(5)), k);
-        (_mm_movemask_epi8(low) as u32) | ((_mm_movemask_epi8(high) as u32 & 0xff) << 16)
-    }
+fn key_lanes(win: &[Slot; WINDOW], x: u32) -> u32 {
+    win.iter().enumerate().fold(0, |bits, (j, s)| {
+        bits | u32::from(s.key_lo.load(Ordering::Relaxed) == x) << (3 * j)
+    })
 }
 
-/// [`lanes_equal`] without vector loads.
-#[cfg(not(target_arch = "x86_64"))]
+/// Bit `3j + 2` set when slot `j` of `win` is empty (the layout of [`key_lanes`]).
 #[inline]
-fn lanes_equal(win: &[Slot; WINDOW], x: u32) -> u32 {
-    let mut bits = 0;
-    for (j, s) in win.iter().enumerate() {
-        for (w, word) in [&s.key_lo, &s.key_hi, &s.holder].into_iter().enumerate() {
-            if word.load(Ordering::Relaxed) == x {
-                bits |= 1 << (3 * j + w);
-            }
-        }
-    }
-    bits
+fn empty_lanes(win: &[Slot; WINDOW]) -> u32 {
+    win.iter().enumerate().fold(0, |bits, (j, s)| {
+        bits | u32::from(s.holder.load(Ordering::Relaxed) == 0) << (3 * j + 2)
+    })
 }
 
 /// Hints the CPU to fetch a window's first and last cache lines.
@@ -1405,13 +1374,13 @@ impl<'g> Snapshot<'g> {
             let Some(win) = slots.get(i..i + WINDOW).and_then(|w| w.try_into().ok()) else {
                 break;
             };
-            let empty = lanes_equal(win, 0) & HOLDER_LANES;
+            let empty = empty_lanes(win);
             let run = if empty == 0 {
                 u32::MAX
             } else {
                 (1 << empty.trailing_zeros()) - 1
             };
-            let mut keys = lanes_equal(win, key as u32) & KEY_LANES & run;
+            let mut keys = key_lanes(win, key as u32) & run;
             while keys != 0 {
                 let Some(s) = win.get(keys.trailing_zeros() as usize / 3) else {
                     break;

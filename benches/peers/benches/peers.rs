@@ -154,6 +154,9 @@ struct Settings {
     apply_only: bool,
     /// `--only NAME`: measure only that system (for profiling under callgrind); no ratios.
     only: Option<String>,
+    /// `--no-readers`: no reader windows, so a profile's queries are the timed ones alone (a
+    /// fixed set, unlike the windows', whose count depends on the speed).
+    readers: bool,
 }
 
 fn main() {
@@ -182,6 +185,7 @@ fn main() {
             .position(|a| a == "--only")
             .and_then(|i| args.get(i + 1))
             .cloned(),
+        readers: !args.iter().any(|a| a == "--no-readers"),
     };
     let default_trace = concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -210,8 +214,17 @@ fn main() {
         hashing(smoke);
         machine_scaling(&settings);
     }
+    // `--shape WORKERS,TENANTS`: that shape alone (to profile it).
+    let shape = args
+        .iter()
+        .position(|a| a == "--shape")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.split_once(','))
+        .and_then(|(w, t)| Some((w.parse().ok()?, t.parse().ok()?)));
     let shapes: &[(usize, usize)] = if smoke {
         &[(8, 2)]
+    } else if let Some(shape) = &shape {
+        std::slice::from_ref(shape)
     } else if quick {
         &[(256, 1)]
     } else {
@@ -1078,7 +1091,7 @@ fn measure(
     lat.sort_unstable();
     f.p50_ns = percentile(&lat, 0.50);
     f.p99_ns = percentile(&lat, 0.99);
-    if sys.shared_reads() {
+    if sys.shared_reads() && s.readers {
         let query = |i: usize, reuse: &mut Reuse| {
             sys.query(&stream.prompts[i % stream.prompts.len()], reuse)
         };

@@ -7,7 +7,9 @@
 //!   direct (no ext_proc: the baseline), via the echo ext_proc server (benches/support/echo.rs:
 //!   the floor of gRPC and HTTP/2 stream handling), via kv-epp (the real `kv-epp serve`), and,
 //!   when `KV_EPP_BENCH_BIN=/path/to/kv-epp` is set, via that other build too (e.g. the one at
-//!   `main`), so old and new are measured in the same run.
+//!   `main`), so old and new are measured in the same run; when `KV_EPP_BENCH_IO_THREADS=N` is
+//!   set, via this kv-epp with `server.io_threads: N` too (its "CPU/base" column compares it with
+//!   the default, one runtime thread per core).
 //! - One client in a closed loop: the next request leaves when the last one was answered. The
 //!   routes take turns request by request, so load from other processes hits them alike.
 //! - Latency is the client's, request sent to response read. "added" is a route's percentile
@@ -134,9 +136,9 @@ admin:
 }
 
 /// kv-epp serving the one upstream: model `m`, no engine events, ephemeral ports.
-fn kv_epp_yaml(upstream: SocketAddr) -> String {
+fn kv_epp_yaml(upstream: SocketAddr, io_threads: usize) -> String {
     format!(
-        "server: {{bind_address: 127.0.0.1, grpc_port: 0, grpc_health_port: 0, metrics_port: 0, admin_port: 0}}\n\
+        "server: {{bind_address: 127.0.0.1, grpc_port: 0, grpc_health_port: 0, metrics_port: 0, admin_port: 0, io_threads: {io_threads}}}\n\
          engine_metrics: {{interval_ms: 0}}\n\
          events: {{engine: none}}\n\
          models: [{{name: m, block_size: 16}}]\n\
@@ -231,12 +233,15 @@ fn print_rows(tokens: usize, routes: &[Route<'_>], m: &[Measured]) {
             );
             continue;
         }
-        let vs_base = match (Some(i) == kv_epp, base) {
-            (true, Some(b)) => {
-                format!("{:.2}x", s.cpu_per_request_ms() / m[b].cpu_per_request_ms())
-            }
-            _ => String::new(),
+        // kv-epp against the base build; kv-epp with other I/O threads against kv-epp.
+        let against = match (Some(i) == kv_epp, base) {
+            (true, b) => b,
+            (false, _) if r.name.starts_with("kv-epp io") => kv_epp,
+            _ => None,
         };
+        let vs_base = against
+            .map(|b| format!("{:.2}x", s.cpu_per_request_ms() / m[b].cpu_per_request_ms()))
+            .unwrap_or_default();
         println!(
             "{label:>7} | {:<12} | {p50:>7.2} {p99:>7.2} | {:>9.2} {:>9.2} | {:>6.2}x | {:>10.3} | {vs_base:>8}",
             r.name,
@@ -260,8 +265,17 @@ async fn run(plan: &Plan, full: bool) {
         return;
     };
     let up = Upstream::start().await;
-    let yaml = kv_epp_yaml(up.addr);
+    let yaml = kv_epp_yaml(up.addr, 0);
     let kv_epp = child::start_kv_epp(&child::this_kv_epp(), &yaml);
+    let io_threads: Option<usize> = std::env::var("KV_EPP_BENCH_IO_THREADS")
+        .ok()
+        .map(|n| n.parse().expect("KV_EPP_BENCH_IO_THREADS: a thread count"));
+    let io = io_threads.map(|n| {
+        (
+            format!("kv-epp io {n}"),
+            child::start_kv_epp(&child::this_kv_epp(), &kv_epp_yaml(up.addr, n)),
+        )
+    });
     let base_bin = std::env::var_os("KV_EPP_BENCH_BIN").map(PathBuf::from);
     let base = base_bin.as_deref().map(|b| child::start_kv_epp(b, &yaml));
     let echo = child::start_echo(&up.addr.to_string());
@@ -273,6 +287,9 @@ async fn run(plan: &Plan, full: bool) {
     );
     if let Some(b) = &base_bin {
         println!("kv-epp base: {}", b.display());
+    }
+    if let Some(n) = io_threads {
+        println!("kv-epp io {n}: this build with server.io_threads: {n}");
     }
     println!("load average before: {}", load_average());
     let mut failures = Vec::new();
@@ -291,6 +308,9 @@ async fn run(plan: &Plan, full: bool) {
             servers.push(("kv-epp base", b));
         }
         servers.push(("kv-epp", &kv_epp));
+        if let Some((name, t)) = &io {
+            servers.push((name.as_str(), t));
+        }
         let mut envoys = Vec::new();
         for (_, s) in &servers {
             envoys.push(Envoy::start(&envoy, shape, s.grpc.port()).await);
@@ -331,7 +351,7 @@ async fn run(plan: &Plan, full: bool) {
     println!(
         "added: the route's percentile less the direct route's; p99/p50: of the route itself (via Envoy and the \
          ext_proc server); CPU/req: the ext_proc server process's CPU over the step per request it served; \
-         CPU/base: kv-epp's CPU per request over the base build's"
+         CPU/base: kv-epp's CPU per request over the base build's (kv-epp io N's over kv-epp's)"
     );
     assert!(
         failures.is_empty(),

@@ -222,6 +222,10 @@ pub struct ServerConfig {
     pub keepalive_interval_ms: u64,
     /// How long a keepalive PING may go unanswered before the connection is closed, in ms.
     pub keepalive_timeout_ms: u64,
+    /// Threads that run every port's connections (the async runtime's workers); 0 = one per
+    /// core the process may use (its CPU quota included). Decisions of larger bodies and
+    /// tokenization run on the decision lanes' own threads either way.
+    pub io_threads: usize,
 }
 
 impl Default for ServerConfig {
@@ -242,9 +246,13 @@ impl Default for ServerConfig {
             max_concurrent_streams: 1024,
             keepalive_interval_ms: 30_000,
             keepalive_timeout_ms: 10_000,
+            io_threads: 0,
         }
     }
 }
+
+/// Most runtime threads `server.io_threads` may ask for (each has its own stack).
+pub const MAX_IO_THREADS: usize = 1024;
 
 /// Request handling.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -898,6 +906,11 @@ impl Config {
         if self.server.max_concurrent_streams == 0 {
             return bad("server.max_concurrent_streams must be > 0".into());
         }
+        if self.server.io_threads > MAX_IO_THREADS {
+            return bad(format!(
+                "server.io_threads must be at most {MAX_IO_THREADS} (0 = one per core)"
+            ));
+        }
         if self.server.keepalive_interval_ms > 0 && self.server.keepalive_timeout_ms == 0 {
             return bad(
                 "server.keepalive_timeout_ms must be > 0 when keepalive_interval_ms is set".into(),
@@ -1184,6 +1197,7 @@ mod tests {
         assert_eq!(c.routing.stream_idle_timeout_ms, 30_000);
         assert_eq!(c.routing.max_buffered_body_bytes, 256 << 20);
         assert_eq!(c.server.max_concurrent_streams, 1024);
+        assert_eq!(c.server.io_threads, 0);
         assert_eq!(
             (
                 c.server.keepalive_interval_ms,
@@ -1208,6 +1222,7 @@ mod tests {
                 "server: {keepalive_timeout_ms: 0}",
                 "server.keepalive_timeout_ms",
             ),
+            ("server: {io_threads: 100000}", "server.io_threads"),
         ] {
             let e = Config::from_yaml(yaml)
                 .unwrap()

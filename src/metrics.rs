@@ -36,6 +36,8 @@ pub struct Metrics {
     /// Index holder tables and wide records replaced but not yet freed, process-wide (see
     /// `upkeep`).
     pub index_retired_tables: Gauge,
+    /// Threads running the ports' connections (the async runtime's workers; `server.io_threads`).
+    pub io_threads: Gauge,
     /// Token usage reported in responses, by model and kind (prompt, completion, cached).
     pub tokens: Family<Labels, Counter>,
     /// Responses whose served endpoint differed from the one picked.
@@ -142,6 +144,12 @@ impl Metrics {
             "index_retired_tables",
             "Index tables and wide records replaced and not yet freed (freed once no query can still read them)",
             index_retired_tables.clone(),
+        );
+        let io_threads = Gauge::default();
+        registry.register(
+            "io_threads",
+            "Threads running the ports' connections (server.io_threads; 0 there means one per core)",
+            io_threads.clone(),
         );
         let tokens = Family::<Labels, Counter>::default();
         registry.register(
@@ -275,6 +283,7 @@ impl Metrics {
             stream_errors,
             buffered_body_bytes,
             index_retired_tables,
+            io_threads,
             tokens,
             served_mismatch,
             discovery_skipped_pods,

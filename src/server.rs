@@ -294,6 +294,9 @@ impl Server {
                 }
             }));
         }
+        metrics
+            .io_threads
+            .set(tokio::runtime::Handle::current().metrics().num_workers() as i64);
         tasks.push(tokio::spawn(crate::upkeep::reclaim(
             crate::upkeep::RECLAIM_PERIOD,
             metrics.index_retired_tables.clone(),

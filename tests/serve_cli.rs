@@ -77,7 +77,7 @@ fn invalid_configuration_stops_start_up_naming_the_field() {
 async fn serves_health_and_metrics_and_stops_on_sigterm() {
     let (grpc, health, metrics, admin) = (free_port(), free_port(), free_port(), free_port());
     let path = write_config(
-        "server: {bind_address: 127.0.0.1}\nevents: {engine: none}\nmodels: [{name: m, block_size: 16}]\nworkers: [{endpoint: '127.0.0.1:1', model: m}]",
+        "server: {bind_address: 127.0.0.1, io_threads: 3}\nevents: {engine: none}\nmodels: [{name: m, block_size: 16}]\nworkers: [{endpoint: '127.0.0.1:1', model: m}]",
     );
     let child = kv_epp()
         .args([
@@ -134,6 +134,8 @@ async fn serves_health_and_metrics_and_stops_on_sigterm() {
         "{}",
         m.text()
     );
+    // `server.io_threads` sizes the runtime (not the machine's core count).
+    assert!(m.text().contains("\nkv_epp_io_threads 3\n"), "{}", m.text());
     let w = http(("127.0.0.1", admin), "GET", "/workers", &[], b"")
         .await
         .unwrap();

@@ -149,7 +149,11 @@ pub(crate) fn run(args: &ServeArgs) -> Result<(), String> {
         return Ok(());
     }
     tune_allocator();
-    let rt = tokio::runtime::Builder::new_multi_thread()
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if config.server.io_threads > 0 {
+        rt.worker_threads(config.server.io_threads);
+    }
+    let rt = rt
         .enable_all()
         .build()
         .map_err(|e| format!("starting the runtime: {e}"))?;

@@ -328,7 +328,7 @@ def test_replicas_and_disruption_budget(chart, replicas):
 # --- the config file ---------------------------------------------------------------------------
 
 FULL_CONFIG = {
-    "server": {"bind_address": "::", "max_concurrent_streams": 256, "keepalive_interval_ms": 0, "keepalive_timeout_ms": 5000},
+    "server": {"bind_address": "::", "max_concurrent_streams": 256, "keepalive_interval_ms": 0, "keepalive_timeout_ms": 5000, "io_threads": 2},
     "routing": {
         "max_body_bytes": 8388608,
         "max_inflight_per_worker": 32,
@@ -387,6 +387,7 @@ def test_config_file_matches_the_values(chart):
         "max_concurrent_streams": 256,
         "keepalive_interval_ms": 0,
         "keepalive_timeout_ms": 5000,
+        "io_threads": 2,
     }
     assert cfg["pool"] == {
         "name": RELEASE,
@@ -421,6 +422,7 @@ def test_default_config_sections_match_the_example_config_file(chart):
         "max_concurrent_streams",
         "keepalive_interval_ms",
         "keepalive_timeout_ms",
+        "io_threads",
     ):
         assert str(cfg["server"][key]) == str(example["server"][key]), key
 

@@ -40,6 +40,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
 use parking_lot::Mutex;
 
+use crate::hashing::SequenceHash;
+
 /// Number of shards; a power of two. The key's top bits pick the shard.
 pub const SHARDS: usize = 8;
 const SHARD_BITS: u32 = SHARDS.trailing_zeros();
@@ -80,6 +82,9 @@ const MORE: u32 = 0b100;
 /// Rescans a reader makes when a key's wide record was retired under it (see
 /// [`Snapshot::visit`]).
 const RESCANS: usize = 8;
+
+/// How many blocks ahead of a lookup a query prefetches the home slot.
+pub const PREFETCH_DISTANCE: usize = 8;
 
 /// Holders at which a key's pairs move into a [`Wide`] record (when its bitset is no larger).
 pub const WIDE_MIN: usize = 16;
@@ -284,6 +289,74 @@ impl Slot {
         self.key_lo.store(key as u32, Ordering::Relaxed);
         self.key_hi.store((key >> 32) as u32, Ordering::Relaxed);
         self.holder.store(holder, Ordering::Release);
+    }
+}
+
+/// Slots [`Snapshot::tiers_of`] compares at once from a key's home.
+const WINDOW: usize = 8;
+
+/// The tiers of worker `slot`'s pair of `key` when one lies in `win` (0 when none does): the
+/// keys' low halves of all of its slots compared at once, instead of a branch per slot. No run
+/// needs checking: a live slot holding `key` is always one of that key's pairs wherever it lies
+/// (a slot's key never changes while it is non-empty).
+#[inline]
+fn window_tiers(win: &[Slot; WINDOW], key: u64, slot: u32) -> u8 {
+    let mut keys = key_lanes(win, key as u32);
+    while keys != 0 {
+        let Some(s) = win.get(keys.trailing_zeros() as usize / 3) else {
+            break;
+        };
+        keys &= keys - 1;
+        // The holder first, as a scan reads it: it publishes the key. A tombstone's slot bits
+        // are all ones, a wide record's reference has no tier bits, an empty slot is 0.
+        let h = s.holder();
+        if h & !(MORE | 0b11) == slot << 3
+            && h & 0b11 != 0
+            && s.key_hi.load(Ordering::Relaxed) == (key >> 32) as u32
+        {
+            return (h & 0b11) as u8;
+        }
+    }
+    0
+}
+
+/// Bit `3j` set when slot `j` of `win` holds a key whose low half is `x` (bit `n` names the
+/// window's `n`th 4-byte word: `3j` is slot `j`'s low key half, `3j + 2` its holder). Eight
+/// relaxed atomic loads and no branch: which slot matches changes with every key, so a branch
+/// per slot is mispredicted, while these loads and compares overlap. A hint (a slot written
+/// meanwhile may be seen either way), which callers confirm with acquire loads.
+#[inline]
+fn key_lanes(win: &[Slot; WINDOW], x: u32) -> u32 {
+    win.iter().enumerate().fold(0, |bits, (j, s)| {
+        bits | u32::from(s.key_lo.load(Ordering::Relaxed) == x) << (3 * j)
+    })
+}
+
+/// Bit `3j + 2` set when slot `j` of `win` is empty (the layout of [`key_lanes`]).
+#[inline]
+fn empty_lanes(win: &[Slot; WINDOW]) -> u32 {
+    win.iter().enumerate().fold(0, |bits, (j, s)| {
+        bits | u32::from(s.holder.load(Ordering::Relaxed) == 0) << (3 * j + 2)
+    })
+}
+
+/// Hints the CPU to fetch a window's first and last cache lines.
+#[inline]
+fn prefetch_window(win: &[Slot; WINDOW]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        let first = win.as_ptr().cast::<i8>();
+        let last = first.wrapping_add(std::mem::size_of_val(win) - 1);
+        // SAFETY: prefetch is a hint with no memory-safety requirements.
+        unsafe {
+            _mm_prefetch(first, _MM_HINT_T0);
+            _mm_prefetch(last, _MM_HINT_T0);
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = win;
     }
 }
 
@@ -1221,15 +1294,127 @@ impl<'g> Snapshot<'g> {
         wide
     }
 
+    /// How far worker `slot` holds a prompt from block `from` on: the first block it does not
+    /// hold (or the prompt's length), and, when `device` (its device run is whole so far), the
+    /// first block it holds only offloaded. `seqs` are the prompt's prefix hashes and `hashes`
+    /// them hashed by [`Snapshot::hash`]. One [`Snapshot::tiers_of`] per block, the home slot
+    /// prefetched [`PREFETCH_DISTANCE`] blocks ahead.
+    pub fn run_of(
+        &self,
+        seqs: &[SequenceHash],
+        hashes: &[u64],
+        from: usize,
+        slot: u32,
+        mut device: bool,
+    ) -> (usize, Option<usize>) {
+        const D: usize = PREFETCH_DISTANCE;
+        let mut offload_from = None;
+        let n = seqs.len().min(hashes.len());
+        // The windows of the next D blocks, each found (and prefetched) once, D blocks ahead.
+        let mut ring: [Option<&'g [Slot; WINDOW]>; D] = [None; D];
+        for pos in from..n.min(from + D) {
+            ring[pos % D] = self.window(hashes[pos]);
+        }
+        for pos in from..n {
+            let win = ring[pos % D];
+            if let Some(&ahead) = hashes.get(pos + D) {
+                let next = self.window(ahead);
+                if let Some(w) = next {
+                    prefetch_window(w);
+                }
+                ring[pos % D] = next;
+            }
+            let key = seqs[pos].0;
+            let tiers = match win.map_or(0, |w| window_tiers(w, key, slot)) {
+                0 => self.tiers_past(key, hashes[pos], slot),
+                t => t,
+            };
+            if tiers == 0 {
+                return (pos, offload_from);
+            }
+            if device && tiers & 0b01 == 0 {
+                offload_from = Some(pos);
+                device = false;
+            }
+        }
+        (n, offload_from)
+    }
+
+    /// The [`WINDOW`] slots from the home of the key hashed to `m` (none when they would pass
+    /// the end of its table).
+    #[inline]
+    fn window(&self, m: u64) -> Option<&'g [Slot; WINDOW]> {
+        let table = self.tables[(m >> (64 - SHARD_BITS)) as usize];
+        let i = table.home(m);
+        table.slots.get(i..i + WINDOW)?.try_into().ok()
+    }
+
     /// The tiers worker `slot` holds `key` in (0: not a holder), `key` hashed to `m` by
-    /// [`Snapshot::hash`]: [`Snapshot::visit`] narrowed to one worker, which stops at that
-    /// worker's pair. A key met as a wide record takes the general path.
+    /// [`Snapshot::hash`]: [`Snapshot::visit`] narrowed to one worker. The first [`WINDOW`]
+    /// slots from the key's home are compared at once, without a branch per slot; the pair is
+    /// nearly always there. Otherwise the key's run is scanned, stopping at that worker's pair;
+    /// a key met as a wide record takes the general path.
     #[inline]
     pub fn tiers_of(&self, key: u64, m: u64, slot: u32) -> u8 {
+        match self.window(m).map_or(0, |w| window_tiers(w, key, slot)) {
+            0 => self.tiers_past(key, m, slot),
+            t => t,
+        }
+    }
+
+    /// [`Snapshot::tiers_of`] when the first window held no pair of `slot`: the key's run
+    /// window by window (a key's pairs all lie in its run, which ends at the first empty slot
+    /// from its home), then slot by slot where a window would pass the table's end.
+    #[inline(never)]
+    fn tiers_past(&self, key: u64, m: u64, slot: u32) -> u8 {
         let table = self.tables[(m >> (64 - SHARD_BITS)) as usize];
         let slots: &[Slot] = &table.slots;
-        let (lo, hi) = (key as u32, (key >> 32) as u32);
         let mut i = table.home(m);
+        for _ in 0..slots.len() / WINDOW + 1 {
+            let Some(win) = slots.get(i..i + WINDOW).and_then(|w| w.try_into().ok()) else {
+                break;
+            };
+            let empty = empty_lanes(win);
+            let run = if empty == 0 {
+                u32::MAX
+            } else {
+                (1 << empty.trailing_zeros()) - 1
+            };
+            let mut keys = key_lanes(win, key as u32) & run;
+            while keys != 0 {
+                let Some(s) = win.get(keys.trailing_zeros() as usize / 3) else {
+                    break;
+                };
+                keys &= keys - 1;
+                let h = s.holder();
+                if h == 0 || h == TOMBSTONE || !s.is_key(key) {
+                    continue;
+                }
+                if is_wide(h) {
+                    return self.tiers_in_visit(key, m, slot);
+                }
+                if Holder(h).slot() == slot {
+                    return Holder(h).tiers();
+                }
+                if h & MORE == 0 {
+                    return 0;
+                }
+            }
+            if empty != 0 {
+                return 0;
+            }
+            i += WINDOW;
+        }
+        self.tiers_in_run(table, i, key, m, slot)
+    }
+
+    /// [`Snapshot::tiers_of`] by a scan of the key's run from slot `i` on.
+    fn tiers_in_run(&self, table: &Table, mut i: usize, key: u64, m: u64, slot: u32) -> u8 {
+        let slots: &[Slot] = &table.slots;
+        let (lo, hi) = (key as u32, (key >> 32) as u32);
+        if i >= slots.len() {
+            i = 0;
+        }
         // Every table keeps an empty slot; the bound is belt and braces.
         for _ in 0..slots.len() {
             let Some(s) = slots.get(i) else { break };
@@ -1440,6 +1625,72 @@ mod tests {
         assert_eq!(holders(&t, 5), vec![(1, 2), (2, 1)]);
     }
 
+    /// The tiers worker `slot` holds `key` in, by the general lookup.
+    fn tiers_by_visit(t: &HolderTable, key: u64, slot: u32) -> u8 {
+        let guard = epoch::pin();
+        let mut tiers = 0;
+        t.for_each(key, &guard, |h| {
+            if h.slot() == slot {
+                tiers |= h.tiers();
+            }
+        });
+        tiers
+    }
+
+    #[test]
+    fn one_worker_lookups_agree_with_the_general_lookup() {
+        // Keys sharing their low half (the window compares it first), keys held by one to
+        // twenty workers (wide records from 16), tombstones, and tables near their fill limit,
+        // so that runs are long, windows miss, and some pass the end of a table.
+        let t = HolderTable::new();
+        let key = |k: u64| (k % 500) | (k / 500) << 32;
+        let holders_of = |k: u64| 1 + (k % 7) * (k % 3) + if k.is_multiple_of(97) { 19 } else { 0 };
+        let n = 6_000u64;
+        for k in 0..n {
+            for w in 0..holders_of(k) {
+                t.insert(key(k), ((k + w * 5) % 40) as u32, 1 + (k + w) as u8 % 3);
+            }
+        }
+        for k in (0..n).step_by(4) {
+            t.remove(key(k), (k % 40) as u32, 3);
+        }
+        let guard = epoch::pin();
+        let snap = t.snapshot(&guard);
+        for k in 0..n + 50 {
+            let m = snap.hash(key(k));
+            for w in [k % 40, (k + 5) % 40, (k + 17) % 40] {
+                let w = w as u32;
+                assert_eq!(
+                    snap.tiers_of(key(k), m, w),
+                    tiers_by_visit(&t, key(k), w),
+                    "key {k} worker {w}"
+                );
+            }
+        }
+        // A run over a "prompt" of keys: where the worker stops holding, and where its device
+        // run breaks.
+        let seqs: Vec<SequenceHash> = (0..n).map(|k| SequenceHash(key(k))).collect();
+        let hashes: Vec<u64> = seqs.iter().map(|s| snap.hash(s.0)).collect();
+        for from in [0, 1, 7, 300] {
+            for w in [0u32, 1, 13] {
+                let mut end = seqs.len();
+                let mut offload = None;
+                for (pos, s) in seqs.iter().enumerate().skip(from) {
+                    let tiers = tiers_by_visit(&t, s.0, w);
+                    if tiers == 0 {
+                        end = pos;
+                        break;
+                    }
+                    if offload.is_none() && tiers & 1 == 0 {
+                        offload = Some(pos);
+                    }
+                }
+                assert_eq!(snap.run_of(&seqs, &hashes, from, w, true), (end, offload));
+                assert_eq!(snap.run_of(&seqs, &hashes, from, w, false), (end, None));
+            }
+        }
+    }
+
     #[test]
     fn keys_move_into_wide_records_and_back() {
         let t = HolderTable::new();
@@ -1557,6 +1808,60 @@ mod tests {
         stop.store(true, Ordering::Relaxed);
         writer.join().unwrap();
         assert_eq!(holders(&t, 5), vec![(0, 1), (1, 1), (2, 1)]);
+    }
+
+    #[test]
+    fn one_worker_runs_stay_whole_while_writers_churn() {
+        use std::sync::Arc;
+        let t = Arc::new(HolderTable::new());
+        // Keys 0..200 are always held by worker 7; a writer churns other keys (growth,
+        // tombstones, shrinking) and moves some of the steady keys into wide records and back.
+        let steady: Vec<SequenceHash> = (0..200u64).map(|k| SequenceHash(k << 40 | k)).collect();
+        for s in &steady {
+            t.insert(s.0, 7, 1);
+        }
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let rounds = Arc::new(AtomicUsize::new(0));
+        let writer = {
+            let (t, stop, rounds, steady) =
+                (t.clone(), stop.clone(), rounds.clone(), steady.clone());
+            std::thread::spawn(move || {
+                let mut k = 1u64 << 50;
+                while !stop.load(Ordering::Relaxed) {
+                    for _ in 0..64 {
+                        t.insert(k, (k % 5) as u32, 1);
+                        if k >= (1 << 50) + 3_000 {
+                            t.remove(k - 3_000, ((k - 3_000) % 5) as u32, 1);
+                        }
+                        k += 1;
+                    }
+                    let s = steady[(k / 64) as usize % steady.len()].0;
+                    for w in 8..40 {
+                        t.insert(s, w, 2);
+                    }
+                    for w in 8..40 {
+                        t.remove(s, w, 2);
+                    }
+                    rounds.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        };
+        // Until the writer has grown the table and moved keys many times over.
+        let mut reads = 0;
+        while reads < 2_000 || rounds.load(Ordering::Relaxed) < 200 {
+            reads += 1;
+            let guard = epoch::pin();
+            let snap = t.snapshot(&guard);
+            let hashes: Vec<u64> = steady.iter().map(|s| snap.hash(s.0)).collect();
+            assert_eq!(
+                snap.run_of(&steady, &hashes, 0, 7, true),
+                (steady.len(), None)
+            );
+            let s = steady[17].0;
+            assert_eq!(snap.tiers_of(s, snap.hash(s), 7), 1);
+        }
+        stop.store(true, Ordering::Relaxed);
+        writer.join().unwrap();
     }
 
     #[test]

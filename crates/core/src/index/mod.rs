@@ -43,7 +43,7 @@ use parking_lot::Mutex;
 
 use crate::hashing::{HashSeed, SequenceHash, chain, hash_block};
 use crate::worker::WorkerId;
-use holders::{HolderTable, Inserted};
+use holders::{HolderTable, Inserted, PREFETCH_DISTANCE};
 use sessions::SessionTails;
 use worker_blocks::{BlockEntry, UNKNOWN_NS, WorkerBlocks};
 pub use worker_blocks::{EngineBlockHash, ParentState};
@@ -160,11 +160,11 @@ fn close_bits(
     words: impl Iterator<Item = u64>,
 ) {
     let start = bit_groups.len();
-    let mut n = 0;
-    for x in words {
-        n += x.count_ones() as usize;
-        bit_groups.push(x);
-    }
+    bit_groups.extend(words);
+    let n: usize = bit_groups[start..]
+        .iter()
+        .map(|x| x.count_ones() as usize)
+        .sum();
     if n == 0 {
         bit_groups.truncate(start);
         return;
@@ -394,9 +394,6 @@ pub struct KvIndex {
 thread_local! {
     static ANSWER: std::cell::RefCell<QueryAnswer> = std::cell::RefCell::new(QueryAnswer::default());
 }
-
-/// How far ahead the query prefetches holder slots.
-const PREFETCH_DISTANCE: usize = 8;
 
 impl KvIndex {
     /// An empty index for a model with this block size.
@@ -937,25 +934,14 @@ impl KvIndex {
         a: &mut QueryAnswer,
     ) {
         let Some(&slot) = a.order.last() else { return };
-        let mut device_whole = a.device[slot as usize] == UNBROKEN;
-        let mut pos = from;
-        while let Some(seq) = seqs.get(pos) {
-            if let Some(&ahead) = a.hashes.get(pos + PREFETCH_DISTANCE) {
-                snap.prefetch(ahead);
-            }
-            let tiers = snap.tiers_of(seq.0, a.hashes[pos], slot);
-            if tiers == 0 {
-                break;
-            }
-            if device_whole && tiers & 0b01 == 0 {
-                a.device[slot as usize] = pos as u32;
-                device_whole = false;
-            }
-            pos += 1;
+        let device = &mut a.device[slot as usize];
+        let (end, offload_from) = snap.run_of(seqs, &a.hashes, from, slot, *device == UNBROKEN);
+        if let Some(pos) = offload_from {
+            *device = pos as u32;
         }
         a.groups.push(Group {
             end: a.order.len() as u32,
-            total: pos as u32,
+            total: end as u32,
             device_full: false,
             bits: 0,
         });

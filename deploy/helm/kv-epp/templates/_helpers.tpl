@@ -203,7 +203,8 @@ file never disagree. */}}
       "secure_serving" $ie.tls.enabled
       "max_concurrent_streams" (int64 $c.server.max_concurrent_streams)
       "keepalive_interval_ms" (int64 $c.server.keepalive_interval_ms)
-      "keepalive_timeout_ms" (int64 $c.server.keepalive_timeout_ms) }}
+      "keepalive_timeout_ms" (int64 $c.server.keepalive_timeout_ms)
+      "io_threads" (int64 $c.server.io_threads) }}
 {{- if and $ie.tls.enabled $ie.tls.secretName }}
 {{- $_ := set $server "cert_path" (include "kv-epp.tlsDir" .) }}
 {{- end }}

@@ -59,12 +59,10 @@ pub fn event_batch(payload: &[u8]) {
 }
 
 /// A TensorRT-LLM drain response, read as the poller reads it (a JSON array of events, each
-/// normalized for a block size of 4).
+/// normalized for a block size of 4 as it is read).
 pub fn trtllm_drain(body: &[u8]) {
-    if let Ok(serde_json::Value::Array(evs)) = serde_json::from_slice(body) {
-        for ev in &evs {
-            let _ = events::trtllm::normalize(4, ev);
-        }
+    if let Ok(drain) = events::trtllm::read_drain(4, body) {
+        assert!(drain.malformed <= drain.read && drain.events.len() <= drain.read);
     }
 }
 

@@ -14,6 +14,10 @@
 //!   the core's one writer, `engine_event::apply`, here or on the replica that owns the drain.
 //! - `removed` (`block_hashes`), `created` and `updated` (ignored).
 //! - Malformed events and garbage responses are dropped and counted; the poller keeps going.
+//! - A drain is read one event at a time ([`read_drain`]): each event is parsed, normalized and
+//!   dropped before the next is read, so memory follows the events kept (token ids as `u32`s),
+//!   never a JSON tree of the whole response (up to ~17× its bytes for a hostile
+//!   `[0,0,0,...]`, whose elements are now each refused as read).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -163,6 +167,66 @@ fn stored(bs: usize, data: &Value) -> Result<Option<EngineEvent>, &'static str> 
     })))
 }
 
+/// One drain response read: its events in kv-epp's form, and how many were dropped.
+#[derive(Debug, Default)]
+pub(crate) struct Drain {
+    /// Events to index, in order.
+    pub events: Vec<EngineEvent>,
+    /// Events read (indexed, ignored or dropped).
+    pub read: usize,
+    /// Events dropped as malformed or against the rules.
+    pub malformed: usize,
+}
+
+/// Reads a drain response (a JSON array of events) one event at a time: each is parsed,
+/// [`normalize`]d and dropped before the next, so no tree of the whole body is ever built.
+/// `Err` when the body is not one JSON array; the events read before the error are discarded
+/// with it, as a body that is not JSON was always dropped whole.
+pub(crate) fn read_drain(block_size: usize, body: &[u8]) -> Result<Drain, serde_json::Error> {
+    use serde::de::{DeserializeSeed, SeqAccess, Visitor};
+
+    struct Events<'a> {
+        block_size: usize,
+        out: &'a mut Drain,
+    }
+    impl<'de> Visitor<'de> for Events<'_> {
+        type Value = ();
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("an array of TensorRT-LLM KV events")
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+            while let Some(event) = seq.next_element::<Value>()? {
+                self.out.read += 1;
+                match normalize(self.block_size, &event) {
+                    Ok(Some(ev)) => self.out.events.push(ev),
+                    Ok(None) => {}
+                    Err(why) => {
+                        self.out.malformed += 1;
+                        tracing::debug!(why, "dropping TensorRT-LLM KV event");
+                    }
+                }
+            }
+            Ok(())
+        }
+    }
+    impl<'de> DeserializeSeed<'de> for Events<'_> {
+        type Value = ();
+        fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+            d.deserialize_seq(self)
+        }
+    }
+
+    let mut drain = Drain::default();
+    let mut de = serde_json::Deserializer::from_slice(body);
+    Events {
+        block_size,
+        out: &mut drain,
+    }
+    .deserialize(&mut de)?;
+    de.end()?;
+    Ok(drain)
+}
+
 /// Where a poller's decoded events go, and whether it may drain at all.
 pub(crate) trait EventSink: Send + Sync {
     /// Asked right before each drain: `None` skips this tick (a replica whose ownership lease
@@ -238,11 +302,11 @@ pub(crate) async fn poll(
             gate,
         )
         .await;
-        let events = match r {
+        let drain = match r {
             Ok(r) if r.status() == httpc::StatusCode::OK => {
-                match serde_json::from_slice::<Value>(r.body()) {
-                    Ok(Value::Array(events)) => events,
-                    _ => {
+                match read_drain(block_size, r.body()) {
+                    Ok(drain) => drain,
+                    Err(_) => {
                         status.failures.fetch_add(1, Ordering::Relaxed);
                         continue;
                     }
@@ -260,22 +324,15 @@ pub(crate) async fn poll(
         };
         status.connected.store(true, Ordering::Relaxed);
         status.polls.fetch_add(1, Ordering::Relaxed);
-        let mut normalized = Vec::with_capacity(events.len());
-        for ev in &events {
-            match normalize(block_size, ev) {
-                Ok(Some(ev)) => normalized.push(ev),
-                Ok(None) => {}
-                Err(why) => {
-                    counters.malformed.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(%worker, why, "dropping TensorRT-LLM KV event");
-                    continue;
-                }
-            }
-            // The writer counts what reaches the index (`counters.applied`), wherever it runs.
-            status.applied.fetch_add(1, Ordering::Relaxed);
-        }
-        if !normalized.is_empty() {
-            sink.deliver(&worker, ticket, normalized);
+        counters
+            .malformed
+            .fetch_add(drain.malformed as u64, Ordering::Relaxed);
+        // The writer counts what reaches the index (`counters.applied`), wherever it runs.
+        status
+            .applied
+            .fetch_add((drain.read - drain.malformed) as u64, Ordering::Relaxed);
+        if !drain.events.is_empty() {
+            sink.deliver(&worker, ticket, drain.events);
         }
     }
 }
@@ -326,6 +383,29 @@ mod tests {
         let rm = json!({"event_id": 2, "data": {"type": "removed", "block_hashes": [5]}});
         apply_event(&idx, &w, &rm).unwrap();
         assert_eq!(overlap(&idx, &[1, 2, 3, 4], Some("t")), 1);
+    }
+
+    #[test]
+    fn a_drain_is_read_event_by_event_and_garbage_elements_are_counted() {
+        let stored = json!({"event_id": 1, "data": {"type": "stored", "parent_hash": null, "blocks": [block(7, &[1, 2], None)]}});
+        let removed = json!({"event_id": 2, "data": {"type": "removed", "block_hashes": [7]}});
+        let created = json!({"event_id": 3, "data": {"type": "created"}});
+        let body = format!(r#"[0, {{}}, "x", {stored}, [1, 2], {created}, {removed}]"#);
+        let d = read_drain(2, body.as_bytes()).unwrap();
+        assert_eq!((d.read, d.malformed, d.events.len()), (7, 4, 2));
+        assert!(matches!(d.events[0], EngineEvent::Stored(_)));
+        assert!(matches!(d.events[1], EngineEvent::Removed { .. }));
+        // Not one JSON array: the drain is dropped whole, even past good events.
+        for bad in [
+            format!("[{stored}, {removed}"),
+            format!("[{stored}] trailing"),
+            stored.to_string(),
+            String::new(),
+        ] {
+            assert!(read_drain(2, bad.as_bytes()).is_err(), "{bad}");
+        }
+        let empty = read_drain(2, b" [ ] ").unwrap();
+        assert_eq!((empty.read, empty.events.len()), (0, 0));
     }
 
     #[test]

@@ -193,9 +193,25 @@ impl AsyncWrite for Answering {
     }
 }
 
+/// Runs `f` to completion on this thread's current-thread runtime (built once per thread), so
+/// the targets of the async readers are as plain as the others.
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    thread_local! {
+        static RT: tokio::runtime::Runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("a current-thread runtime");
+    }
+    RT.with(|rt| rt.block_on(f))
+}
+
 /// An engine's HTTP/1.1 response to a request of the project's client, read with a 1 KiB body
 /// cap (the first input byte says whether the gate holds).
-pub async fn http_response(input: &[u8]) {
+pub fn http_response(input: &[u8]) {
+    block_on(http_exchange(input));
+}
+
+async fn http_exchange(input: &[u8]) {
     let req = httpc::Request::post("/kv_cache_events")
         .body(Bytes::from_static(b"{}"))
         .expect("a static request is valid");
@@ -218,7 +234,11 @@ pub async fn http_response(input: &[u8]) {
 /// second bit is set, a valid PUB/ROUTER greeting and READY are sent first, so the fuzzer starts
 /// at the frames. Each message goes to a vLLM feed as published `[topic, seq, payload]` (sequence
 /// rule, replay attempts without a replay socket, apply).
-pub async fn zmtp_peer(input: &[u8]) {
+pub fn zmtp_peer(input: &[u8]) {
+    block_on(zmtp_exchange(input));
+}
+
+async fn zmtp_exchange(input: &[u8]) {
     let Some((&mode, rest)) = input.split_first() else {
         return;
     };

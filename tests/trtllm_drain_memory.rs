@@ -1,8 +1,9 @@
-//! A TensorRT-LLM drain is read one event at a time: a hostile engine's 16 MiB response of
-//! 8 million tiny elements (`[0,0,0,...]`), each refused as read, must not cost memory in
-//! proportion to its element count. Read whole into a JSON tree, as the poller once did, it took
-//! ~17x its bytes (a `serde_json::Value` per element); this binary's allocator tracks the peak
-//! of live heap bytes while the drain is read.
+//! A TensorRT-LLM drain is read one event at a time, each event typed as it is read: a hostile
+//! engine's 16 MiB response must not cost memory in proportion to its bytes, whether it is 8
+//! million tiny elements (`[0,0,0,...]`, each refused as read) or one huge event. Read into a
+//! JSON tree, of the whole body (as the poller once did) or of one event (as it did next), it
+//! took ~17x its bytes (a `serde_json::Value` per element); this binary's allocator tracks the
+//! peak of live heap bytes while the drain is read.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -31,27 +32,68 @@ unsafe impl GlobalAlloc for Peak {
 #[global_allocator]
 static GLOBAL: Peak = Peak;
 
-#[test]
-fn a_hostile_drain_of_tiny_elements_is_read_in_bounded_memory() {
-    const ELEMENTS: usize = 8 << 20;
-    let mut body = Vec::with_capacity(2 * ELEMENTS + 2);
-    body.push(b'[');
-    for i in 0..ELEMENTS {
+/// The peak of live heap bytes, over what was live before, while `body` is read as a drain.
+fn peak_reading(body: &[u8]) -> usize {
+    let before = LIVE.load(Ordering::Relaxed);
+    PEAK.store(before, Ordering::Relaxed);
+    kv_epp::fuzzing::trtllm_drain(body);
+    PEAK.load(Ordering::Relaxed) - before
+}
+
+/// One JSON array of `n` copies of `element`, inside `open` and `close`.
+fn repeated(open: &str, element: &str, n: usize, close: &str) -> Vec<u8> {
+    let mut body = Vec::with_capacity(open.len() + n * (element.len() + 1) + close.len());
+    body.extend_from_slice(open.as_bytes());
+    for i in 0..n {
         if i > 0 {
             body.push(b',');
         }
-        body.push(b'0');
+        body.extend_from_slice(element.as_bytes());
     }
-    body.push(b']');
-    let before = LIVE.load(Ordering::Relaxed);
-    PEAK.store(before, Ordering::Relaxed);
-    kv_epp::fuzzing::trtllm_drain(&body);
-    let extra = PEAK.load(Ordering::Relaxed) - before;
-    // A tree of the body would be ~8M values of 32 bytes (256 MiB); one event at a time needs
-    // the reader's own state only.
+    body.extend_from_slice(close.as_bytes());
+    body
+}
+
+// One test (the allocator's counters are the process's): each hostile body in turn.
+#[test]
+fn hostile_drains_are_read_in_bounded_memory() {
+    // 8 million tiny elements: a tree of the body would be ~8M values of 32 bytes (256 MiB);
+    // one event at a time needs the reader's own state only.
+    let body = repeated("[", "0", 8 << 20, "]");
+    let extra = peak_reading(&body);
     assert!(
         extra < 1 << 20,
-        "reading a {} MiB drain allocated {extra} bytes at its peak",
+        "reading a {} MiB drain of tiny elements allocated {extra} bytes at its peak",
+        body.len() >> 20
+    );
+    // One event of 16 MiB, a `removed` of 8 million hashes: as a tree, ~17x its bytes; read
+    // typed, it is dropped at the 65,536 hashes an event may carry (512 KiB decoded).
+    let body = repeated(
+        r#"[{"data": {"type": "removed", "block_hashes": ["#,
+        "0",
+        8 << 20,
+        "]}}]",
+    );
+    let extra = peak_reading(&body);
+    assert!(
+        extra < 1 << 20,
+        "reading one {} MiB removal allocated {extra} bytes at its peak",
+        body.len() >> 20
+    );
+    // One `stored` event of ~16 MiB of full 4-token blocks (the block size the fuzzing entry
+    // point reads with): dropped past the 65,536 blocks an event may carry, so its decoded
+    // blocks (24 bytes each, 1.5 MiB at the cap) are the peak, not a tree of the event.
+    let block = r#"{"tokens":[{"token_id":1},{"token_id":2},{"token_id":3},{"token_id":4}],"block_hash":7}"#;
+    let body = repeated(
+        r#"[{"data": {"type": "stored", "blocks": ["#,
+        block,
+        (16 << 20) / block.len(),
+        "]}}]",
+    );
+    let extra = peak_reading(&body);
+    assert!(
+        extra < 4 << 20,
+        "reading one {} MiB stored event allocated {extra} bytes at its peak",
         body.len() >> 20
     );
 }

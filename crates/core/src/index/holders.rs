@@ -497,12 +497,23 @@ impl SlotArray {
         (len * std::mem::size_of::<Slot>()).max(1)
     }
 
+    /// A zeroed array whose pages are written, not merely zero. Fresh memory from the kernel
+    /// (`mmap`, or the heap's new top, which `calloc` does not clear) reads as the shared zero
+    /// page until written; a rebuild reads a slot before it writes it, so each page would fault
+    /// twice, and the second fault replaces a mapping that every core running the process may
+    /// have cached: a TLB shootdown, an interrupt on the core where a query is running (seen
+    /// with the kernel's `tlb:tlb_flush` trace: ~100–400 per full-rate writer window of the
+    /// peers bench, all from `rebuild`'s stores, and a reader's p99 3–5× its idle one in the
+    /// windows that had them). One written byte per page makes each page's only fault a write
+    /// fault, which replaces nothing.
     fn zeroed(len: usize) -> SlotArray {
         let bytes = Self::bytes(len);
         #[cfg(target_os = "linux")]
         if bytes >= HUGE_PAGE
             && let Some(ptr) = huge::map(bytes)
         {
+            // SAFETY: `bytes` writable bytes, just mapped and not yet shared.
+            unsafe { fault_in(ptr.as_ptr().cast(), bytes) };
             MAPPED_BYTES.fetch_add(bytes, Ordering::Relaxed);
             return SlotArray { ptr, len };
         }
@@ -512,6 +523,8 @@ impl SlotArray {
         let Some(ptr) = std::ptr::NonNull::new(raw.cast::<Slot>()) else {
             std::alloc::handle_alloc_error(layout)
         };
+        // SAFETY: `bytes` writable bytes, not yet shared.
+        unsafe { fault_in(raw, bytes) };
         SlotArray { ptr, len }
     }
 
@@ -575,6 +588,20 @@ mod huge {
     pub(super) fn unmap(ptr: NonNull<Slot>, bytes: usize) {
         // SAFETY: `ptr..ptr+bytes` is exactly what `map` kept.
         unsafe { libc::munmap(ptr.as_ptr().cast(), bytes) };
+    }
+}
+
+/// Writes a zero byte into every page of the zeroed `bytes` at `p` (see [`SlotArray::zeroed`]).
+/// Volatile, so the compiler cannot fold the writes into the allocation (it turns an
+/// allocation followed by zeroing into `calloc`, which leaves fresh pages unwritten).
+///
+/// # Safety
+/// `p..p + bytes` must be writable, zero, and not yet seen by another thread.
+unsafe fn fault_in(p: *mut u8, bytes: usize) {
+    const PAGE: usize = 4096;
+    for off in (0..bytes).step_by(PAGE).chain(bytes.checked_sub(1)) {
+        // SAFETY: in bounds (the caller's range); the byte is already 0.
+        unsafe { p.add(off).write_volatile(0) };
     }
 }
 
@@ -1631,6 +1658,41 @@ impl Drop for HolderTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every page of a new slot array is backed by its own frame before a rebuild first reads
+    /// it (not the shared zero page, which a later write would replace with a TLB shootdown
+    /// on every core running the process: an interrupt under a query). Read from
+    /// `/proc/self/pagemap` (bit 63: present), for an array large enough to be mapped fresh.
+    #[cfg(target_os = "linux")]
+    #[test]
+    #[expect(
+        clippy::disallowed_types,
+        reason = "the test reads the kernel's page map; the core's code still does no I/O"
+    )]
+    fn a_new_table_is_faulted_in_by_writes() {
+        use std::io::{Read, Seek, SeekFrom};
+        let len = (3 * HUGE_PAGE).div_ceil(std::mem::size_of::<Slot>());
+        let array = SlotArray::zeroed(len);
+        let bytes = SlotArray::bytes(len);
+        let start = array.as_ptr() as usize;
+        let mut pagemap = std::fs::File::open("/proc/self/pagemap").expect("pagemap");
+        let mut missing = 0;
+        for page in (start / 4096)..(start + bytes).div_ceil(4096) {
+            let mut entry = [0u8; 8];
+            pagemap
+                .seek(SeekFrom::Start(page as u64 * 8))
+                .and_then(|_| pagemap.read_exact(&mut entry))
+                .expect("pagemap entry");
+            if u64::from_le_bytes(entry) >> 63 == 0 {
+                missing += 1;
+            }
+        }
+        assert_eq!(
+            missing, 0,
+            "pages of a new {bytes}-byte table not faulted in"
+        );
+        assert!(array.iter().all(|s| s.holder() == 0 && s.key() == 0));
+    }
 
     fn holders(t: &HolderTable, key: u64) -> Vec<(u32, u8)> {
         let guard = epoch::pin();

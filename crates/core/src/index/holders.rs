@@ -311,11 +311,9 @@ fn window_tiers(win: &[Slot; WINDOW], key: u64, slot: u32) -> u8 {
         keys &= keys - 1;
         // The holder first, as a scan reads it: it publishes the key. A tombstone's slot bits
         // are all ones, a wide record's reference has no tier bits, an empty slot is 0.
+        // The whole key is compared again after it: the hint's low half was read unordered.
         let h = s.holder();
-        if h & !(MORE | 0b11) == slot << 3
-            && h & 0b11 != 0
-            && s.key_hi.load(Ordering::Relaxed) == (key >> 32) as u32
-        {
+        if h & !(MORE | 0b11) == slot << 3 && h & 0b11 != 0 && s.is_key(key) {
             return (h & 0b11) as u8;
         }
     }
@@ -341,18 +339,20 @@ fn key_lanes(win: &[Slot; WINDOW], x: u32) -> u32 {
     }
 }
 
-/// Bit `3j + 2` set when slot `j` of `win` is empty (the layout of [`key_lanes`]).
+/// [`key_lanes`] of `x`, and bit `3j + 2` set when slot `j` of `win` is empty, from one read.
 #[inline]
-fn empty_lanes(win: &[Slot; WINDOW]) -> u32 {
+fn key_and_empty_lanes(win: &[Slot; WINDOW], x: u32) -> (u32, u32) {
     #[cfg(target_arch = "x86_64")]
     {
-        WindowWords::read(win).equal(0) & HOLDER_LANES
+        let w = WindowWords::read(win);
+        (w.equal(x) & KEY_LANES, w.equal(0) & HOLDER_LANES)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        win.iter().enumerate().fold(0, |bits, (j, s)| {
+        let empty = win.iter().enumerate().fold(0, |bits, (j, s)| {
             bits | u32::from(s.holder.load(Ordering::Relaxed) == 0) << (3 * j + 2)
-        })
+        });
+        (key_lanes(win, x), empty)
     }
 }
 
@@ -381,9 +381,12 @@ impl WindowWords {
         // padding, read as six unaligned vectors (SSE2 is part of x86-64). Writers may store to
         // these atomics meanwhile. A plain Rust load (`_mm_loadu_si128`) would then be a data
         // race, undefined behaviour whatever the hardware does; inline assembly is opaque to
-        // the compiler and means what it does on the machine: on x86 each aligned 4-byte word a
-        // vector load covers lies in one cache line and is read whole, so these loads do what
-        // 24 relaxed atomic loads would (in some order). Callers use the words as hints only.
+        // the compiler and means what it does on the machine. There each aligned 4-byte word
+        // lies in one cache line, and x86 processors read it whole, as a relaxed atomic load
+        // would. (An assumption about the processors, not an architectural rule: the manuals
+        // allow a vector access as several accesses without saying how wide. Were a word ever
+        // torn, the harm is bounded: callers use the words as hints and confirm a hit with
+        // atomic loads, so a torn word could only hide a hit, one lower overlap for one query.)
         unsafe {
             std::arch::asm!(
                 "movdqu {a}, xmmword ptr [{p}]",
@@ -505,7 +508,9 @@ impl SlotArray {
     /// with the kernel's `tlb:tlb_flush` trace: ~100–400 per full-rate writer window of the
     /// peers bench, all from `rebuild`'s stores, and a reader's p99 3–5× its idle one in the
     /// windows that had them). One written byte per page makes each page's only fault a write
-    /// fault, which replaces nothing.
+    /// fault, which replaces nothing. (A kernel that splits all-zero huge pages under memory
+    /// pressure, remapping them to the zero page, would bring some back for tables still empty
+    /// then; this cannot prevent that.)
     fn zeroed(len: usize) -> SlotArray {
         let bytes = Self::bytes(len);
         #[cfg(target_os = "linux")]
@@ -1485,13 +1490,13 @@ impl<'g> Snapshot<'g> {
             let Some(win) = slots.get(i..i + WINDOW).and_then(|w| w.try_into().ok()) else {
                 break;
             };
-            let empty = empty_lanes(win);
+            let (keys, empty) = key_and_empty_lanes(win, key as u32);
             let run = if empty == 0 {
                 u32::MAX
             } else {
                 (1 << empty.trailing_zeros()) - 1
             };
-            let mut keys = key_lanes(win, key as u32) & run;
+            let mut keys = keys & run;
             while keys != 0 {
                 let Some(s) = win.get(keys.trailing_zeros() as usize / 3) else {
                     break;
@@ -1659,10 +1664,57 @@ impl Drop for HolderTable {
 mod tests {
     use super::*;
 
+    /// The vector compare of a window agrees with word-by-word compares, for every pattern of
+    /// matching slots and for values whose halves saturate when narrowed.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_vector_window_compare_equals_the_scalar_one() {
+        let values = [
+            0u32,
+            1,
+            0x7fff,
+            0x8000,
+            0xffff,
+            0x1_0000,
+            0x8000_0000,
+            u32::MAX,
+        ];
+        for x in values {
+            for pattern in 0u32..1 << WINDOW {
+                for other in values.iter().filter(|&&v| v != x) {
+                    let win: [Slot; WINDOW] = std::array::from_fn(|j| {
+                        let hit = pattern >> j & 1 != 0;
+                        let word = |k: u32| AtomicU32::new(if hit { x } else { other ^ k });
+                        Slot {
+                            key_lo: word(0),
+                            key_hi: word(0),
+                            holder: word(0),
+                        }
+                    });
+                    let mut scalar = 0u32;
+                    for (j, s) in win.iter().enumerate() {
+                        for (w, word) in [&s.key_lo, &s.key_hi, &s.holder].into_iter().enumerate() {
+                            if word.load(Ordering::Relaxed) == x {
+                                scalar |= 1 << (3 * j + w);
+                            }
+                        }
+                    }
+                    assert_eq!(
+                        WindowWords::read(&win).equal(x),
+                        scalar,
+                        "{x:#x} {pattern:#b}"
+                    );
+                    assert_eq!(key_lanes(&win, x), scalar & KEY_LANES);
+                }
+            }
+        }
+    }
+
     /// Every page of a new slot array is backed by its own frame before a rebuild first reads
     /// it (not the shared zero page, which a later write would replace with a TLB shootdown
     /// on every core running the process: an interrupt under a query). Read from
-    /// `/proc/self/pagemap` (bit 63: present), for an array large enough to be mapped fresh.
+    /// `/proc/self/pagemap` (bits 63, present, and 56, exclusively mapped, which the zero page
+    /// never is), for an array large enough to be mapped fresh.
     #[cfg(target_os = "linux")]
     #[test]
     #[expect(
@@ -1683,7 +1735,9 @@ mod tests {
                 .seek(SeekFrom::Start(page as u64 * 8))
                 .and_then(|_| pagemap.read_exact(&mut entry))
                 .expect("pagemap entry");
-            if u64::from_le_bytes(entry) >> 63 == 0 {
+            // Present (bit 63) and mapped only here (bit 56): not the shared zero page.
+            let e = u64::from_le_bytes(entry);
+            if e >> 63 == 0 || (e >> 56) & 1 == 0 {
                 missing += 1;
             }
         }

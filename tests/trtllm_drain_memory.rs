@@ -96,4 +96,15 @@ fn hostile_drains_are_read_in_bounded_memory() {
         "reading one {} MiB stored event allocated {extra} bytes at its peak",
         body.len() >> 20
     );
+    // 16 MiB of the smallest events that are kept (a removal of one hash, ~47 bytes each, ~150
+    // bytes decoded): kept up to the body's size, the rest dropped and counted, so the events
+    // kept (and their list's spare room) stay under twice the body; all of them, ~3-4x.
+    let event = r#"{"data":{"type":"removed","block_hashes":[1]}}"#;
+    let body = repeated("[", event, (16 << 20) / event.len(), "]");
+    let extra = peak_reading(&body);
+    assert!(
+        extra < 2 * body.len(),
+        "reading {} MiB of tiny kept events allocated {extra} bytes at its peak",
+        body.len() >> 20
+    );
 }

@@ -18,8 +18,8 @@
 //!   the rules read (token ids as `u32`s, hashes as `u64`s; the rest skipped unread) and
 //!   normalized before the next is read, so memory follows the events kept, never a JSON tree of
 //!   the response or of one event (~17× the bytes it is read from). An event carries at most
-//!   vLLM's caps of hashes and token ids, and a drain's kept events at most [`DRAIN_BUDGET`]
-//!   decoded bytes; past them events are dropped and counted.
+//!   vLLM's caps of hashes and token ids, and a drain's kept events about the body's size
+//!   decoded ([`DRAIN_BUDGET`]); past them events are dropped and counted.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -55,10 +55,21 @@ pub(crate) struct PollStatus {
     pub stop: AtomicBool,
 }
 
-/// Decoded bytes the events kept from one drain may hold (4 per token id, 8 per hash): a
-/// response of many small numbers (a `removed` event's `[0,0,...]` decodes to 4× its bytes)
-/// cannot cost more memory than the body itself. Events past it are dropped and counted.
+/// Most bytes the events kept from one drain may hold decoded (their token ids, hashes and the
+/// events themselves, see [`kept_bytes`]), and never more than the body's own size (or
+/// [`MIN_DRAIN_BUDGET`] for a smaller body): a response
+/// of many small numbers (a `removed` event's `[0,0,...]` decodes to 4× its bytes) or of many
+/// tiny events cannot cost more memory than the body itself (plus the list's spare capacity).
+/// Real events are far larger as JSON than decoded. Events past it are dropped and counted.
 const DRAIN_BUDGET: usize = MAX_DRAIN;
+
+/// The budget of a small body: whatever its size, a drain may keep this much (a body of a few
+/// events is smaller than their decoded form).
+const MIN_DRAIN_BUDGET: usize = 1 << 20;
+
+/// What a kept event costs beyond its token ids and hashes: the event itself and the
+/// allocator's headers of its two lists.
+const EVENT_BYTES: usize = std::mem::size_of::<EngineEvent>() + 32;
 
 /// One drain response read: its events in kv-epp's form, and how many were dropped.
 #[derive(Debug, Default)]
@@ -81,7 +92,11 @@ pub(crate) struct Drain {
 /// body is not one JSON array (or nests deeper than serde_json's recursion limit); the events
 /// read before the error are discarded with it, as such a body was always dropped whole.
 pub(crate) fn read_drain(block_size: usize, body: &[u8]) -> Result<Drain, serde_json::Error> {
-    read_drain_within(block_size, body, DRAIN_BUDGET)
+    read_drain_within(
+        block_size,
+        body,
+        body.len().clamp(MIN_DRAIN_BUDGET, DRAIN_BUDGET),
+    )
 }
 
 /// [`read_drain`] with `budget` decoded bytes for the events kept.
@@ -128,18 +143,22 @@ impl<'de> Visitor<'de> for EventsSeed<'_> {
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
         loop {
-            let budget = self.budget.saturating_sub(*self.kept_bytes);
+            let left = self.budget.saturating_sub(*self.kept_bytes);
             let Some(event) = seq.next_element_seed(EventSeed {
                 block_size: self.block_size,
-                budget,
+                budget: left.saturating_sub(EVENT_BYTES),
             })?
             else {
                 return Ok(());
             };
             self.out.read += 1;
             match normalize(event) {
+                Ok(Some(ev)) if kept_bytes(&ev) > left => {
+                    self.out.malformed += 1;
+                    tracing::debug!("dropping TensorRT-LLM KV event: drain over its budget");
+                }
                 Ok(Some(ev)) => {
-                    *self.kept_bytes += decoded_bytes(&ev);
+                    *self.kept_bytes += kept_bytes(&ev);
                     self.out.events.push(ev);
                 }
                 Ok(None) => {}
@@ -152,13 +171,16 @@ impl<'de> Visitor<'de> for EventsSeed<'_> {
     }
 }
 
-/// What an event's token ids and hashes take in memory, decoded.
-fn decoded_bytes(ev: &EngineEvent) -> usize {
-    match ev {
-        EngineEvent::Stored(run) => run.tokens.len() * 4 + run.engine_hashes.len() * 8,
-        EngineEvent::Removed { engine_hashes, .. } => engine_hashes.len() * 8,
-        _ => 0,
-    }
+/// What a kept event takes in memory: itself and its lists (by capacity).
+fn kept_bytes(ev: &EngineEvent) -> usize {
+    EVENT_BYTES
+        + match ev {
+            EngineEvent::Stored(run) => {
+                run.tokens.capacity() * 4 + run.engine_hashes.capacity() * 8
+            }
+            EngineEvent::Removed { engine_hashes, .. } => engine_hashes.capacity() * 8,
+            EngineEvent::Cleared => 0,
+        }
 }
 
 /// A JSON value where the rules want a number (a hash, a token id, a level, a LoRA id):
@@ -245,9 +267,8 @@ impl<'de> Visitor<'de> for KeyIn {
 }
 
 /// A map's entries, each key looked up in `keys` and handed to `entry` with its index (which
-/// reads the value); other keys' values are skipped. Anything but a map is skipped whole and
-/// yields `false`. A key given twice is read twice: readers let the later value win, as a JSON
-/// object's does.
+/// reads the value); other keys' values are skipped. A key given twice is read twice: readers
+/// let the later value win, as a JSON object's does.
 fn each_entry<'de, A: MapAccess<'de>>(
     mut map: A,
     keys: &'static [&'static str],
@@ -325,23 +346,32 @@ impl<'de> serde::Deserialize<'de> for Kind {
 }
 
 /// A cache salt as written: a string (decoded, so two spellings of one string are one salt) or
-/// the text of any other non-null value (never trusted; borrowed from the body).
+/// any other non-null value (never trusted), by its text.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Salt<'de> {
     Str(String),
-    Other(&'de str),
+    Other(std::borrow::Cow<'de, str>),
 }
 
-/// Reads a `cache_salt` value: `None` when null.
+/// Non-string salts up to this size are compared in canonical form (so `1.0` and `1e0`, or
+/// one object spelled two ways, are one salt, as in a JSON tree); larger ones by their text.
+const CANONICAL_SALT_BYTES: usize = 4096;
+
+/// Reads a `cache_salt` value: `None` when null. Never fails on a value that is valid JSON: a
+/// string that does not decode to UTF-8 (a lone surrogate escape) is an untrusted salt.
 fn read_salt<'de, A: MapAccess<'de>>(map: &mut A) -> Result<Option<Salt<'de>>, A::Error> {
     let raw: &'de serde_json::value::RawValue = map.next_value()?;
     let text = raw.get().trim_start();
+    let other = || {
+        Salt::Other(match serde_json::from_str::<serde_json::Value>(text) {
+            Ok(v) if text.len() <= CANONICAL_SALT_BYTES => v.to_string().into(),
+            _ => text.into(),
+        })
+    };
     Ok(match text.as_bytes().first() {
         Some(b'n') => None,
-        Some(b'"') => Some(Salt::Str(
-            serde_json::from_str(text).map_err(serde::de::Error::custom)?,
-        )),
-        _ => Some(Salt::Other(text)),
+        Some(b'"') => Some(serde_json::from_str(text).map_or_else(|_| other(), Salt::Str)),
+        _ => Some(other()),
     })
 }
 
@@ -1291,7 +1321,11 @@ mod tests {
             /// one decodes to the same event.
             #[test]
             fn the_typed_reader_applies_the_rules_of_the_tree(ev in event()) {
-                prop_assert_eq!(read_one(2, &ev.to_string()), reference(2, &ev));
+                let expected = reference(2, &ev);
+                prop_assert_eq!(read_one(2, &ev.to_string()), expected.clone());
+                // Spelled with whitespace everywhere.
+                let pretty = serde_json::to_string_pretty(&ev).unwrap();
+                prop_assert_eq!(read_one(2, &pretty), expected);
             }
         }
     }
@@ -1318,6 +1352,35 @@ mod tests {
     }
 
     #[test]
+    fn salts_are_compared_as_values_and_never_drop_the_drain() {
+        // Non-string salts: one value spelled two ways is one salt (as in a tree), so the event
+        // is kept, under an untrusted namespace.
+        let spelled = r#"{"data": {"type": "stored", "cache_salt": {"a": 1.0, "b": [1]}, "blocks": [{"tokens": [{"token_id": 1}, {"token_id": 2}], "block_hash": 1, "cache_salt": {"b": [ 1 ], "a": 1e0}}, {"tokens": [{"token_id": 3}, {"token_id": 4}], "block_hash": 2}]}}"#;
+        let tree: Value = serde_json::from_str(spelled).unwrap();
+        assert_eq!(read_one(2, spelled), reference(2, &tree));
+        assert!(matches!(
+            read_one(2, spelled),
+            Ok(Some(EngineEvent::Stored(StoredRun {
+                root_seed: None,
+                ..
+            })))
+        ));
+        // A string salt that is not UTF-8 (a lone surrogate) is valid JSON: untrusted, and the
+        // events around it are still read.
+        let lone = r#"{"data": {"type": "stored", "blocks": [{"tokens": [{"token_id": 1}, {"token_id": 2}], "block_hash": 1, "cache_salt": "\udc00"}]}}"#;
+        let removed = r#"{"data": {"type": "removed", "block_hashes": [1]}}"#;
+        let d = read_drain(2, format!("[{lone}, {removed}]").as_bytes()).unwrap();
+        assert_eq!((d.read, d.malformed, d.events.len()), (2, 0, 2));
+        assert!(matches!(
+            &d.events[0],
+            EngineEvent::Stored(StoredRun {
+                root_seed: None,
+                ..
+            })
+        ));
+    }
+
+    #[test]
     fn an_event_is_capped_and_the_drain_kept_within_its_budget() {
         // More hashes than an event may carry: dropped, and the drain goes on.
         let many = format!(
@@ -1328,20 +1391,43 @@ mod tests {
         assert_eq!((d.read, d.malformed, d.events.len()), (2, 1, 1));
         let at_cap = many.replacen("0,", "", 1);
         assert_eq!(read_drain(2, at_cap.as_bytes()).unwrap().malformed, 0);
-        // A budget of 5 hashes: the first two events fit (2 + 3), the third does not; a later
-        // event that fits in what is left is still kept.
+        // Each kept event costs EVENT_BYTES and its lists by capacity (a list of 1 to 4 hashes
+        // has room for 4). A budget of three such events: the first two fit, the third (8
+        // hashes) does not, a later one that fits in what is left is still kept.
+        let small = EVENT_BYTES + 4 * 8;
         let body = r#"[{"data": {"type": "removed", "block_hashes": [1, 2]}},
             {"data": {"type": "removed", "block_hashes": [3, 4, 5]}},
-            {"data": {"type": "removed", "block_hashes": [6]}},
-            {"data": {"type": "created"}}]"#;
-        let d = read_drain_within(2, body.as_bytes(), 5 * 8).unwrap();
-        assert_eq!((d.read, d.malformed, d.events.len()), (4, 1, 2));
-        // Tokens count too: a block of 2 tokens and its hash take 16 bytes.
-        let stored = r#"{"data": {"type": "stored", "blocks": [{"tokens": [{"token_id": 1}, {"token_id": 2}], "block_hash": 1}, {"tokens": [{"token_id": 3}, {"token_id": 4}], "block_hash": 2}]}}"#;
+            {"data": {"type": "removed", "block_hashes": [6, 7, 8, 9, 10, 11, 12, 13]}},
+            {"data": {"type": "removed", "block_hashes": [14]}},
+            {"data": {"type": "removed", "block_hashes": [15]}}]"#;
+        let d = read_drain_within(2, body.as_bytes(), 3 * small).unwrap();
+        assert_eq!((d.read, d.malformed, d.events.len()), (5, 2, 3));
+        let kept: Vec<_> = d
+            .events
+            .iter()
+            .map(|e| match e {
+                EngineEvent::Removed { engine_hashes, .. } => engine_hashes[0].0,
+                _ => 0,
+            })
+            .collect();
+        assert_eq!(kept, [1, 3, 14]);
+        // Tokens count too, and the drain's budget is its body's size (when over 1 MiB).
+        let stored = r#"{"data": {"type": "stored", "blocks": [{"tokens": [{"token_id": 1}, {"token_id": 2}], "block_hash": 1}]}}"#;
         let body = format!("[{stored}, {stored}]");
-        let d = read_drain_within(2, body.as_bytes(), 48).unwrap();
+        let one = read_drain_within(2, format!("[{stored}]").as_bytes(), usize::MAX).unwrap();
+        let cost = kept_bytes(&one.events[0]);
+        let d = read_drain_within(2, body.as_bytes(), 2 * cost - 1).unwrap();
         assert_eq!((d.read, d.malformed, d.events.len()), (2, 1, 1));
-        let d = read_drain_within(2, body.as_bytes(), 64).unwrap();
+        let d = read_drain_within(2, body.as_bytes(), 2 * cost).unwrap();
         assert_eq!((d.read, d.malformed, d.events.len()), (2, 0, 2));
+        let n = 2 * MIN_DRAIN_BUDGET / stored.len();
+        let big = format!("[{}]", vec![stored; n].join(","));
+        let d = read_drain(2, big.as_bytes()).unwrap();
+        assert!(big.len() > MIN_DRAIN_BUDGET && cost * n > big.len());
+        assert_eq!(
+            d.events.len(),
+            big.len() / cost,
+            "kept within the body's size"
+        );
     }
 }

@@ -518,7 +518,7 @@ impl SlotArray {
             && let Some(ptr) = huge::map(bytes)
         {
             // SAFETY: `bytes` writable bytes, just mapped and not yet shared.
-            unsafe { fault_in(ptr.as_ptr().cast(), bytes) };
+            unsafe { super::pages::fault_in(ptr.as_ptr().cast(), bytes) };
             MAPPED_BYTES.fetch_add(bytes, Ordering::Relaxed);
             return SlotArray { ptr, len };
         }
@@ -529,7 +529,7 @@ impl SlotArray {
             std::alloc::handle_alloc_error(layout)
         };
         // SAFETY: `bytes` writable bytes, not yet shared.
-        unsafe { fault_in(raw, bytes) };
+        unsafe { super::pages::fault_in(raw, bytes) };
         SlotArray { ptr, len }
     }
 
@@ -593,20 +593,6 @@ mod huge {
     pub(super) fn unmap(ptr: NonNull<Slot>, bytes: usize) {
         // SAFETY: `ptr..ptr+bytes` is exactly what `map` kept.
         unsafe { libc::munmap(ptr.as_ptr().cast(), bytes) };
-    }
-}
-
-/// Writes a zero byte into every page of the zeroed `bytes` at `p` (see [`SlotArray::zeroed`]).
-/// Volatile, so the compiler cannot fold the writes into the allocation (it turns an
-/// allocation followed by zeroing into `calloc`, which leaves fresh pages unwritten).
-///
-/// # Safety
-/// `p..p + bytes` must be writable, zero, and not yet seen by another thread.
-unsafe fn fault_in(p: *mut u8, bytes: usize) {
-    const PAGE: usize = 4096;
-    for off in (0..bytes).step_by(PAGE).chain(bytes.checked_sub(1)) {
-        // SAFETY: in bounds (the caller's range); the byte is already 0.
-        unsafe { p.add(off).write_volatile(0) };
     }
 }
 
@@ -1712,35 +1698,15 @@ mod tests {
 
     /// Every page of a new slot array is backed by its own frame before a rebuild first reads
     /// it (not the shared zero page, which a later write would replace with a TLB shootdown
-    /// on every core running the process: an interrupt under a query). Read from
-    /// `/proc/self/pagemap` (bits 63, present, and 56, exclusively mapped, which the zero page
-    /// never is), for an array large enough to be mapped fresh.
+    /// on every core running the process: an interrupt under a query), for an array large
+    /// enough to be mapped fresh.
     #[cfg(target_os = "linux")]
     #[test]
-    #[expect(
-        clippy::disallowed_types,
-        reason = "the test reads the kernel's page map; the core's code still does no I/O"
-    )]
     fn a_new_table_is_faulted_in_by_writes() {
-        use std::io::{Read, Seek, SeekFrom};
         let len = (3 * HUGE_PAGE).div_ceil(std::mem::size_of::<Slot>());
         let array = SlotArray::zeroed(len);
         let bytes = SlotArray::bytes(len);
-        let start = array.as_ptr() as usize;
-        let mut pagemap = std::fs::File::open("/proc/self/pagemap").expect("pagemap");
-        let mut missing = 0;
-        for page in (start / 4096)..(start + bytes).div_ceil(4096) {
-            let mut entry = [0u8; 8];
-            pagemap
-                .seek(SeekFrom::Start(page as u64 * 8))
-                .and_then(|_| pagemap.read_exact(&mut entry))
-                .expect("pagemap entry");
-            // Present (bit 63) and mapped only here (bit 56): not the shared zero page.
-            let e = u64::from_le_bytes(entry);
-            if e >> 63 == 0 || (e >> 56) & 1 == 0 {
-                missing += 1;
-            }
-        }
+        let missing = super::super::pages::unwritten_pages(array.as_ptr() as usize, bytes);
         assert_eq!(
             missing, 0,
             "pages of a new {bytes}-byte table not faulted in"

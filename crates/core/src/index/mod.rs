@@ -31,6 +31,7 @@
 //! whole (counted as evicted) and rebuilt from its next events.
 
 pub mod holders;
+mod pages;
 pub mod sessions;
 pub mod worker_blocks;
 

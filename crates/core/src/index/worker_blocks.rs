@@ -371,11 +371,13 @@ impl BlockMap {
         let mut cap = cap.max(MAP_MIN).next_multiple_of(BUCKET);
         let old = std::mem::take(&mut self.slots);
         'size: loop {
-            self.slots = vec![EMPTY; cap].into_boxed_slice();
+            // SAFETY: a slot is bytes; all zero is `EMPTY`.
+            self.slots = unsafe { super::pages::zeroed::<Slot>(cap) };
             // Slots filled per bucket: nothing is removed meanwhile, so a bucket's free slots
             // are its last ones and an entry goes straight to the emptier of its two buckets
             // (which also leaves fewer full buckets for the inserts that follow).
-            let mut fill = vec![0u8; cap / BUCKET];
+            // SAFETY: any byte is a valid `u8`.
+            let mut fill = unsafe { super::pages::zeroed::<u8>(cap / BUCKET) };
             for s in old.iter().filter(|s| !s.is_empty()) {
                 let [x, y] = self.homes(s.key());
                 let b = if fill[y] < fill[x] { y } else { x };

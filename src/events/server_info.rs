@@ -4,15 +4,16 @@
 //! `endpoint_port_base + r`. Used when the pool (or the static worker) does not name the
 //! endpoints; without an answer the configured convention (`events.zmq.port + r`) stands.
 //!
-//! The answer is untrusted: it is read up to 1 MiB within 2 s, and only the port and topic are
-//! taken from it. kv-epp connects to the worker's own address whatever `endpoint_host` says (a
+//! The answer is untrusted: it is read up to 1 MiB within 2 s, typed as it is read (never a
+//! JSON tree), and only the port and topic are taken from it. kv-epp connects to the worker's own address whatever `endpoint_host` says (a
 //! wildcard means exactly that; any other host is ignored, so a worker cannot point kv-epp at
 //! another machine).
 
 use std::time::Duration;
 
-use serde_json::Value;
+use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
+use super::json::{Scalar, each_entry, skip};
 use super::subscriber::FeedEndpoints;
 use crate::httpc;
 use kv_epp_core::worker::WorkerId;
@@ -47,33 +48,151 @@ pub(crate) enum ServerInfoError {
     NoPort,
 }
 
-/// Reads the `kv_events` block of a `/server_info` body.
+/// Reads the `kv_events` block of a `/server_info` body, straight into its few fields (the
+/// rest of the body is skipped unread, never built into a JSON tree; a later key given twice
+/// wins, as in a tree).
 pub(crate) fn parse(body: &[u8]) -> Result<Advertised, ServerInfoError> {
-    let v: Value = serde_json::from_slice(body).map_err(|_| ServerInfoError::Malformed)?;
-    let kv = match v.get("kv_events") {
-        None | Some(Value::Null) => return Err(ServerInfoError::NoEvents),
-        Some(Value::Object(kv)) => kv,
-        Some(_) => return Err(ServerInfoError::Malformed),
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let read = Body
+        .deserialize(&mut de)
+        .and_then(|b| de.end().map(|()| b))
+        .map_err(|_| ServerInfoError::Malformed)?;
+    let kv = match read {
+        None | Some(None) => return Err(ServerInfoError::NoEvents),
+        Some(Some(KvEvents::NotAnObject)) => return Err(ServerInfoError::Malformed),
+        Some(Some(KvEvents::Object(kv))) => kv,
     };
-    if kv.get("publisher").and_then(Value::as_str) != Some("zmq") {
+    if !kv.zmq {
         return Err(ServerInfoError::NotZmq);
     }
-    let port_base = kv
-        .get("endpoint_port_base")
-        .and_then(Value::as_u64)
-        .and_then(|p| u16::try_from(p).ok())
-        .filter(|p| *p != 0)
-        .ok_or(ServerInfoError::NoPort)?;
+    let port_base = match kv.port_base {
+        Scalar::Unsigned(p) => u16::try_from(p).ok().filter(|p| *p != 0),
+        _ => None,
+    }
+    .ok_or(ServerInfoError::NoPort)?;
+    let number = |v: Scalar| match v {
+        Scalar::Unsigned(v) => Some(v),
+        _ => None,
+    };
     Ok(Advertised {
         port_base,
-        topic: kv
-            .get("topic")
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_owned(),
-        block_size: kv.get("block_size").and_then(Value::as_u64),
-        dp_size: kv.get("dp_size").and_then(Value::as_u64),
+        topic: kv.topic.unwrap_or_default(),
+        block_size: number(kv.block_size),
+        dp_size: number(kv.dp_size),
     })
+}
+
+/// The body: `kv_events` (`None`: absent, or the body is not an object; `Some(None)`: null).
+struct Body;
+
+impl<'de> DeserializeSeed<'de> for Body {
+    type Value = Option<Option<KvEvents>>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Body {
+    type Value = Option<Option<KvEvents>>;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a /server_info body")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        let mut kv = None;
+        each_entry(map, &["kv_events"], |_, map| {
+            kv = Some(map.next_value_seed(KvEventsSeed)?);
+            Ok(())
+        })?;
+        Ok(kv)
+    }
+    skip!(None; u64, i64, f64, bool, str, unit, seq);
+}
+
+/// A `kv_events` value (`None`: null).
+enum KvEvents {
+    NotAnObject,
+    Object(KvFields),
+}
+
+/// The fields of `kv_events` kv-epp reads.
+struct KvFields {
+    /// `publisher` is the string `zmq`.
+    zmq: bool,
+    port_base: Scalar,
+    /// `topic`, when a string.
+    topic: Option<String>,
+    block_size: Scalar,
+    dp_size: Scalar,
+}
+
+struct KvEventsSeed;
+
+impl<'de> DeserializeSeed<'de> for KvEventsSeed {
+    type Value = Option<KvEvents>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for KvEventsSeed {
+    type Value = Option<KvEvents>;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("kv_events")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        const KEYS: &[&str] = &[
+            "publisher",
+            "endpoint_port_base",
+            "topic",
+            "block_size",
+            "dp_size",
+        ];
+        let mut kv = KvFields {
+            zmq: false,
+            port_base: Scalar::Null,
+            topic: None,
+            block_size: Scalar::Null,
+            dp_size: Scalar::Null,
+        };
+        each_entry(map, KEYS, |i, map| {
+            match i {
+                0 => kv.zmq = map.next_value::<Text>()?.0.as_deref() == Some("zmq"),
+                1 => kv.port_base = map.next_value()?,
+                2 => kv.topic = map.next_value::<Text>()?.0,
+                3 => kv.block_size = map.next_value()?,
+                _ => kv.dp_size = map.next_value()?,
+            }
+            Ok(())
+        })?;
+        Ok(Some(KvEvents::Object(kv)))
+    }
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_none<E>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    skip!(Some(KvEvents::NotAnObject); u64, i64, f64, bool, str, seq);
+}
+
+/// A string value (`None`: any other value, skipped).
+struct Text(Option<String>);
+
+impl<'de> serde::Deserialize<'de> for Text {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Text, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Text;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Text, E> {
+                Ok(Text(Some(v.to_owned())))
+            }
+            skip!(Text(None); u64, i64, f64, bool, unit, seq, map);
+        }
+        d.deserialize_any(V)
+    }
 }
 
 impl Advertised {
@@ -150,6 +269,121 @@ mod tests {
             adv.endpoints(&w2, &fallback()),
             Err(ServerInfoError::NoPort)
         );
+    }
+
+    /// The reading before the typed one, over a JSON tree: the typed reader must agree.
+    fn reference(body: &[u8]) -> Result<Advertised, ServerInfoError> {
+        use serde_json::Value;
+        let v: Value = serde_json::from_slice(body).map_err(|_| ServerInfoError::Malformed)?;
+        let kv = match v.get("kv_events") {
+            None | Some(Value::Null) => return Err(ServerInfoError::NoEvents),
+            Some(Value::Object(kv)) => kv,
+            Some(_) => return Err(ServerInfoError::Malformed),
+        };
+        if kv.get("publisher").and_then(Value::as_str) != Some("zmq") {
+            return Err(ServerInfoError::NotZmq);
+        }
+        let port_base = kv
+            .get("endpoint_port_base")
+            .and_then(Value::as_u64)
+            .and_then(|p| u16::try_from(p).ok())
+            .filter(|p| *p != 0)
+            .ok_or(ServerInfoError::NoPort)?;
+        Ok(Advertised {
+            port_base,
+            topic: kv
+                .get("topic")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned(),
+            block_size: kv.get("block_size").and_then(Value::as_u64),
+            dp_size: kv.get("dp_size").and_then(Value::as_u64),
+        })
+    }
+
+    mod same_reading {
+        use super::*;
+        use proptest::prelude::*;
+        use serde_json::{Value, json};
+
+        fn any_value() -> impl Strategy<Value = Value> {
+            prop_oneof![
+                Just(Value::Null),
+                prop::sample::select(vec![0u64, 1, 16, 5557, 65535, 65536, u64::MAX])
+                    .prop_map(|v| json!(v)),
+                Just(json!(-1)),
+                Just(json!(16.0)),
+                Just(json!(true)),
+                prop::sample::select(vec!["zmq", "null", "kv", ""]).prop_map(|s| json!(s)),
+                Just(json!([1, "zmq"])),
+                Just(json!({"publisher": "zmq"})),
+            ]
+        }
+
+        fn field(v: impl Strategy<Value = Value>) -> impl Strategy<Value = Option<Value>> {
+            prop::option::weighted(0.7, v)
+        }
+
+        fn body() -> impl Strategy<Value = Value> {
+            let kv = (
+                field(prop_oneof![3 => Just(json!("zmq")), 1 => any_value()]),
+                field(any_value()),
+                field(any_value()),
+                field(any_value()),
+                field(any_value()),
+            )
+                .prop_map(|(p, port, topic, bs, dp)| {
+                    let mut m = serde_json::Map::new();
+                    for (k, v) in [
+                        ("publisher", p),
+                        ("endpoint_port_base", port),
+                        ("topic", topic),
+                        ("block_size", bs),
+                        ("dp_size", dp),
+                        ("endpoint_host", Some(json!("203.0.113.9"))),
+                    ] {
+                        if let Some(v) = v {
+                            m.insert(k.to_string(), v);
+                        }
+                    }
+                    Value::Object(m)
+                });
+            let events = prop_oneof![4 => kv, 1 => any_value()];
+            prop_oneof![
+                6 => prop::option::weighted(0.9, events).prop_map(|kv| {
+                    let mut m = serde_json::Map::new();
+                    m.insert("version".into(), json!("0.5.9"));
+                    if let Some(kv) = kv {
+                        m.insert("kv_events".into(), kv);
+                    }
+                    Value::Object(m)
+                }),
+                1 => any_value(),
+            ]
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2000))]
+            #[test]
+            fn the_typed_reader_reads_as_the_tree_did(b in body()) {
+                for text in [b.to_string(), serde_json::to_string_pretty(&b).unwrap()] {
+                    prop_assert_eq!(parse(text.as_bytes()), reference(text.as_bytes()));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_key_given_twice_is_read_as_its_last_value() {
+        for body in [
+            &br#"{"kv_events": null, "kv_events": {"publisher": "zmq", "endpoint_port_base": 1}}"#[..],
+            br#"{"kv_events": {"publisher": "zmq", "endpoint_port_base": 1}, "kv_events": 3}"#,
+            br#"{"kv_events": {"publisher": "zmq", "publisher": "x", "endpoint_port_base": 1}}"#,
+            br#"{"kv_events": {"publisher": "zmq", "endpoint_port_base": 1, "topic": "a", "topic": 2}}"#,
+            br#"{"kv_events": {"publisher": "zmq", "endpoint_port_base": 1}} x"#,
+        ] {
+            assert_eq!(parse(body), reference(body), "{}", String::from_utf8_lossy(body));
+        }
     }
 
     #[test]

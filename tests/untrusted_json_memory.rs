@@ -1,9 +1,9 @@
-//! A TensorRT-LLM drain is read one event at a time, each event typed as it is read: a hostile
-//! engine's 16 MiB response must not cost memory in proportion to its bytes, whether it is 8
-//! million tiny elements (`[0,0,0,...]`, each refused as read) or one huge event. Read into a
-//! JSON tree, of the whole body (as the poller once did) or of one event (as it did next), it
-//! took ~17x its bytes (a `serde_json::Value` per element); this binary's allocator tracks the
-//! peak of live heap bytes while the drain is read.
+//! Engines' JSON is read typed as it arrives, never into a JSON tree (a `serde_json::Value` per
+//! element, ~17x the bytes): a hostile engine's response must not cost memory in proportion to
+//! its bytes. A TensorRT-LLM drain (16 MiB here) is read one event at a time, whether it is 8
+//! million tiny elements (`[0,0,0,...]`, each refused as read) or one huge event; an SGLang
+//! `/server_info` answer (up to 1 MiB) keeps only its `kv_events` fields. This binary's
+//! allocator tracks the peak of live heap bytes while each body is read.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -32,12 +32,17 @@ unsafe impl GlobalAlloc for Peak {
 #[global_allocator]
 static GLOBAL: Peak = Peak;
 
-/// The peak of live heap bytes, over what was live before, while `body` is read as a drain.
-fn peak_reading(body: &[u8]) -> usize {
+/// The peak of live heap bytes, over what was live before, while `read` reads `body`.
+fn peak_of(read: fn(&[u8]), body: &[u8]) -> usize {
     let before = LIVE.load(Ordering::Relaxed);
     PEAK.store(before, Ordering::Relaxed);
-    kv_epp::fuzzing::trtllm_drain(body);
+    read(body);
     PEAK.load(Ordering::Relaxed) - before
+}
+
+/// The peak while `body` is read as a TensorRT-LLM drain.
+fn peak_reading(body: &[u8]) -> usize {
+    peak_of(kv_epp::fuzzing::trtllm_drain, body)
 }
 
 /// One JSON array of `n` copies of `element`, inside `open` and `close`.
@@ -106,5 +111,19 @@ fn hostile_drains_are_read_in_bounded_memory() {
         extra < 2 * body.len(),
         "reading {} MiB of tiny kept events allocated {extra} bytes at its peak",
         body.len() >> 20
+    );
+    // A 1 MiB `/server_info` of tiny elements beside a valid `kv_events`: as a tree, ~17 MiB;
+    // read typed, the topic is all it keeps.
+    let body = repeated(
+        r#"{"kv_events": {"publisher": "zmq", "endpoint_port_base": 5557, "topic": "kv"}, "x": ["#,
+        "0",
+        (1 << 20) / 2 - 64,
+        "]}",
+    );
+    let extra = peak_of(kv_epp::fuzzing::server_info, &body);
+    assert!(
+        extra < 64 << 10,
+        "reading a {} KiB /server_info allocated {extra} bytes at its peak",
+        body.len() >> 10
     );
 }

@@ -488,6 +488,9 @@ const HUGE_PAGE: usize = 2 << 20;
 struct SlotArray {
     ptr: std::ptr::NonNull<Slot>,
     len: usize,
+    /// Mapped by [`huge::map`] (else allocated by [`super::pages::zeroed`]): how it is freed.
+    /// An array of huge-page size whose mapping failed is allocated, so the size cannot say.
+    mapped: bool,
 }
 
 // SAFETY: the array owns its slots, which are atomics.
@@ -500,17 +503,12 @@ impl SlotArray {
         (len * std::mem::size_of::<Slot>()).max(1)
     }
 
-    /// A zeroed array whose pages are written, not merely zero. Fresh memory from the kernel
-    /// (`mmap`, or the heap's new top, which `calloc` does not clear) reads as the shared zero
-    /// page until written; a rebuild reads a slot before it writes it, so each page would fault
-    /// twice, and the second fault replaces a mapping that every core running the process may
-    /// have cached: a TLB shootdown, an interrupt on the core where a query is running (seen
-    /// with the kernel's `tlb:tlb_flush` trace: ~100–400 per full-rate writer window of the
-    /// peers bench, all from `rebuild`'s stores, and a reader's p99 3–5× its idle one in the
-    /// windows that had them). One written byte per page makes each page's only fault a write
-    /// fault, which replaces nothing. (A kernel that splits all-zero huge pages under memory
-    /// pressure, remapping them to the zero page, would bring some back for tables still empty
-    /// then; this cannot prevent that.)
+    /// A zeroed array whose pages are written, not merely zero (see `pages.rs`): a rebuild reads
+    /// a slot before it writes it, and the kernel's `tlb:tlb_flush` trace put every TLB
+    /// shootdown of the peers bench's full-rate writer windows (~100–400 each, a reader's p99 at
+    /// 3–5× its idle one) at `rebuild`'s stores into zero-page-mapped memory. (A kernel that
+    /// splits all-zero huge pages under memory pressure, remapping them to the zero page, would
+    /// bring some back for tables still empty then; this cannot prevent that.)
     fn zeroed(len: usize) -> SlotArray {
         let bytes = Self::bytes(len);
         #[cfg(target_os = "linux")]
@@ -520,22 +518,24 @@ impl SlotArray {
             // SAFETY: `bytes` writable bytes, just mapped and not yet shared.
             unsafe { super::pages::fault_in(ptr.as_ptr().cast(), bytes) };
             MAPPED_BYTES.fetch_add(bytes, Ordering::Relaxed);
-            return SlotArray { ptr, len };
+            return SlotArray {
+                ptr,
+                len,
+                mapped: true,
+            };
         }
-        let layout = Self::small_layout(bytes);
-        // SAFETY: non-zero size; an all-zero Slot is three zero atomics, a valid value.
-        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
-        let Some(ptr) = std::ptr::NonNull::new(raw.cast::<Slot>()) else {
-            std::alloc::handle_alloc_error(layout)
-        };
-        // SAFETY: `bytes` writable bytes, not yet shared.
-        unsafe { super::pages::fault_in(raw, bytes) };
-        SlotArray { ptr, len }
+        Self::allocated(len)
     }
 
-    fn small_layout(bytes: usize) -> std::alloc::Layout {
-        std::alloc::Layout::from_size_align(bytes, std::mem::align_of::<Slot>())
-            .expect("slot array layout")
+    /// A zeroed array from the allocator (small ones, and any whose mapping failed).
+    fn allocated(len: usize) -> SlotArray {
+        // SAFETY: an all-zero Slot is three zero atomics, a valid value.
+        let slots = unsafe { super::pages::zeroed::<Slot>(len) };
+        SlotArray {
+            ptr: std::ptr::NonNull::from(Box::leak(slots)).cast(),
+            len,
+            mapped: false,
+        }
     }
 
     fn len(&self) -> usize {
@@ -606,15 +606,20 @@ impl std::ops::Deref for SlotArray {
 
 impl Drop for SlotArray {
     fn drop(&mut self) {
-        let bytes = Self::bytes(self.len);
-        #[cfg(target_os = "linux")]
-        if bytes >= HUGE_PAGE {
+        if self.mapped {
+            let bytes = Self::bytes(self.len);
+            #[cfg(target_os = "linux")]
             huge::unmap(self.ptr, bytes);
             MAPPED_BYTES.fetch_sub(bytes, Ordering::Relaxed);
             return;
         }
-        // SAFETY: allocated in `zeroed` with this same layout.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr().cast(), Self::small_layout(bytes)) };
+        // SAFETY: the `len` slots `zeroed` leaked from a box; owned here, freed once.
+        drop(unsafe {
+            Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+                self.ptr.as_ptr(),
+                self.len,
+            ))
+        });
     }
 }
 
@@ -1426,11 +1431,7 @@ impl<'g> Snapshot<'g> {
                 }
                 ring[pos % D] = next;
             }
-            let key = seqs[pos].0;
-            let tiers = match win.map_or(0, |w| window_tiers(w, key, slot)) {
-                0 => self.tiers_past(key, hashes[pos], slot),
-                t => t,
-            };
+            let tiers = self.tiers_from(win, seqs[pos].0, hashes[pos], slot);
             if tiers == 0 {
                 return (pos, offload_from);
             }
@@ -1458,7 +1459,13 @@ impl<'g> Snapshot<'g> {
     /// a key met as a wide record takes the general path.
     #[inline]
     pub fn tiers_of(&self, key: u64, m: u64, slot: u32) -> u8 {
-        match self.window(m).map_or(0, |w| window_tiers(w, key, slot)) {
+        self.tiers_from(self.window(m), key, m, slot)
+    }
+
+    /// [`Snapshot::tiers_of`] with the key's first window already found.
+    #[inline]
+    fn tiers_from(&self, win: Option<&[Slot; WINDOW]>, key: u64, m: u64, slot: u32) -> u8 {
+        match win.map_or(0, |w| window_tiers(w, key, slot)) {
             0 => self.tiers_past(key, m, slot),
             t => t,
         }
@@ -1700,6 +1707,21 @@ mod tests {
     /// it (not the shared zero page, which a later write would replace with a TLB shootdown
     /// on every core running the process: an interrupt under a query), for an array large
     /// enough to be mapped fresh.
+    /// An array of huge-page size whose mapping failed comes from the allocator, and is given
+    /// back to it (once the size decided how to free it, and such an array was unmapped).
+    #[test]
+    fn a_large_array_that_was_not_mapped_is_freed_as_allocated() {
+        let len = (3 * HUGE_PAGE).div_ceil(std::mem::size_of::<Slot>());
+        for _ in 0..4 {
+            let array = SlotArray::allocated(len);
+            assert!(!array.mapped, "freed by the allocator, not unmapped");
+            array[len - 1].set(7, Holder::new(1, 1).0);
+            assert_eq!(array[len - 1].key(), 7);
+            // Dropped here: unmapping the allocator's memory would corrupt the heap.
+        }
+        assert!(SlotArray::zeroed(len).mapped || cfg!(not(target_os = "linux")));
+    }
+
     #[cfg(target_os = "linux")]
     #[test]
     fn a_new_table_is_faulted_in_by_writes() {

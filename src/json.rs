@@ -1,9 +1,19 @@
-//! Reading untrusted JSON without building a tree: serde visitors that keep the few fields a
-//! reader wants and skip the rest unread ([`each_entry`], [`skip!`]), and never fail on a value
-//! of the wrong type (only on bytes that are not JSON). A `serde_json::Value` costs ~17× the
-//! bytes it is read from; these cost what the reader keeps.
+//! Reading untrusted JSON without building a tree (a `serde_json::Value` costs ~17× the bytes it
+//! is read from): visitors run as seeds ([`Any`]), and for engines' JSON, readers that keep the
+//! few fields they want and skip the rest unread ([`each_entry`], [`skip!`]), never failing on a
+//! value of the wrong type (only on bytes that are not JSON).
 
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+
+/// A visitor as a seed that takes any JSON value (`deserialize_any`).
+pub(crate) struct Any<V>(pub V);
+
+impl<'de, V: Visitor<'de>> DeserializeSeed<'de> for Any<V> {
+    type Value = V::Value;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<V::Value, D::Error> {
+        d.deserialize_any(self.0)
+    }
+}
 
 /// A JSON value where a reader wants a number: anything else is only told apart, its contents
 /// skipped.

@@ -15,6 +15,7 @@ pub(crate) mod forward;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod httpc;
+pub(crate) mod json;
 pub(crate) mod membership;
 pub mod metrics;
 pub mod models;

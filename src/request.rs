@@ -7,6 +7,7 @@
 
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 
+use crate::json::Any;
 use kv_epp_core::salt::SaltField;
 
 mod plain;
@@ -172,16 +173,6 @@ enum Key {
 }
 
 struct KeySeed;
-
-/// A visitor as a seed that takes any JSON value (`deserialize_any`).
-struct Any<V>(V);
-
-impl<'de, V: Visitor<'de>> DeserializeSeed<'de> for Any<V> {
-    type Value = V::Value;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<V::Value, D::Error> {
-        d.deserialize_any(self.0)
-    }
-}
 
 impl<'de> DeserializeSeed<'de> for KeySeed {
     type Value = Key;

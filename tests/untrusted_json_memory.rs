@@ -40,11 +40,6 @@ fn peak_of(read: fn(&[u8]), body: &[u8]) -> usize {
     PEAK.load(Ordering::Relaxed) - before
 }
 
-/// The peak while `body` is read as a TensorRT-LLM drain.
-fn peak_reading(body: &[u8]) -> usize {
-    peak_of(kv_epp::fuzzing::trtllm_drain, body)
-}
-
 /// One JSON array of `n` copies of `element`, inside `open` and `close`.
 fn repeated(open: &str, element: &str, n: usize, close: &str) -> Vec<u8> {
     let mut body = Vec::with_capacity(open.len() + n * (element.len() + 1) + close.len());
@@ -59,71 +54,91 @@ fn repeated(open: &str, element: &str, n: usize, close: &str) -> Vec<u8> {
     body
 }
 
-// One test (the allocator's counters are the process's): each hostile body in turn.
+// One test (the allocator's counters are the process's): each hostile body in turn, made just
+// before it is read (a few at once would crowd the machine).
 #[test]
-fn hostile_drains_are_read_in_bounded_memory() {
-    // 8 million tiny elements: a tree of the body would be ~8M values of 32 bytes (256 MiB);
-    // one event at a time needs the reader's own state only.
-    let body = repeated("[", "0", 8 << 20, "]");
-    let extra = peak_reading(&body);
-    assert!(
-        extra < 1 << 20,
-        "reading a {} MiB drain of tiny elements allocated {extra} bytes at its peak",
-        body.len() >> 20
-    );
-    // One event of 16 MiB, a `removed` of 8 million hashes: as a tree, ~17x its bytes; read
-    // typed, it is dropped at the 65,536 hashes an event may carry (512 KiB decoded).
-    let body = repeated(
-        r#"[{"data": {"type": "removed", "block_hashes": ["#,
-        "0",
-        8 << 20,
-        "]}}]",
-    );
-    let extra = peak_reading(&body);
-    assert!(
-        extra < 1 << 20,
-        "reading one {} MiB removal allocated {extra} bytes at its peak",
-        body.len() >> 20
-    );
-    // One `stored` event of ~16 MiB of full 4-token blocks (the block size the fuzzing entry
-    // point reads with): dropped past the 65,536 blocks an event may carry, so its decoded
-    // blocks (24 bytes each, 1.5 MiB at the cap) are the peak, not a tree of the event.
-    let block = r#"{"tokens":[{"token_id":1},{"token_id":2},{"token_id":3},{"token_id":4}],"block_hash":7}"#;
-    let body = repeated(
-        r#"[{"data": {"type": "stored", "blocks": ["#,
-        block,
-        (16 << 20) / block.len(),
-        "]}}]",
-    );
-    let extra = peak_reading(&body);
-    assert!(
-        extra < 4 << 20,
-        "reading one {} MiB stored event allocated {extra} bytes at its peak",
-        body.len() >> 20
-    );
-    // 16 MiB of the smallest events that are kept (a removal of one hash, ~47 bytes each, ~150
-    // bytes decoded): kept up to the body's size, the rest dropped and counted, so the events
-    // kept (and their list's spare room) stay under twice the body; all of them, ~3-4x.
-    let event = r#"{"data":{"type":"removed","block_hashes":[1]}}"#;
-    let body = repeated("[", event, (16 << 20) / event.len(), "]");
-    let extra = peak_reading(&body);
-    assert!(
-        extra < 2 * body.len(),
-        "reading {} MiB of tiny kept events allocated {extra} bytes at its peak",
-        body.len() >> 20
-    );
-    // A 1 MiB `/server_info` of tiny elements beside a valid `kv_events`: as a tree, ~17 MiB;
-    // read typed, the topic is all it keeps.
-    let body = repeated(
-        r#"{"kv_events": {"publisher": "zmq", "endpoint_port_base": 5557, "topic": "kv"}, "x": ["#,
-        "0",
-        (1 << 20) / 2 - 64,
-        "]}",
-    );
-    let extra = peak_of(kv_epp::fuzzing::server_info, &body);
-    assert!(
-        extra < 64 << 10,
-        "reading a {} KiB /server_info allocated {extra} bytes at its peak",
-        body.len() >> 10
-    );
+fn hostile_bodies_are_read_in_bounded_memory() {
+    use kv_epp::fuzzing::{server_info, trtllm_drain};
+    type Case = (&'static str, fn(&[u8]), fn() -> Vec<u8>, fn(usize) -> usize);
+    let cases: [Case; 5] = [
+        // 8 million tiny elements: a tree of the body would be ~8M values of 32 bytes (256
+        // MiB); one event at a time needs the reader's own state only.
+        (
+            "a drain of tiny elements",
+            trtllm_drain,
+            || repeated("[", "0", 8 << 20, "]"),
+            |_| 1 << 20,
+        ),
+        // One event of 16 MiB, a `removed` of 8 million hashes: as a tree, ~17x its bytes;
+        // read typed, it is dropped at the 65,536 hashes an event may carry (512 KiB decoded).
+        (
+            "one removal",
+            trtllm_drain,
+            || {
+                repeated(
+                    r#"[{"data": {"type": "removed", "block_hashes": ["#,
+                    "0",
+                    8 << 20,
+                    "]}}]",
+                )
+            },
+            |_| 1 << 20,
+        ),
+        // One `stored` event of ~16 MiB of full 4-token blocks (the block size the fuzzing
+        // entry point reads with): dropped past the 65,536 blocks an event may carry, so its
+        // decoded blocks (24 bytes each, 1.5 MiB at the cap) are the peak, not a tree of it.
+        (
+            "one stored event",
+            trtllm_drain,
+            || {
+                repeated(
+                    r#"[{"data": {"type": "stored", "blocks": ["#,
+                    BLOCK,
+                    (16 << 20) / BLOCK.len(),
+                    "]}}]",
+                )
+            },
+            |_| 4 << 20,
+        ),
+        // 16 MiB of the smallest events that are kept (a removal of one hash, ~47 bytes each,
+        // ~150 bytes decoded): kept up to the body's size, the rest dropped and counted, so
+        // the events kept (and their list's spare room) stay under twice the body; all of
+        // them, ~6x.
+        (
+            "tiny kept events",
+            trtllm_drain,
+            || repeated("[", TINY, (16 << 20) / TINY.len(), "]"),
+            |len| 2 * len,
+        ),
+        // A 1 MiB `/server_info` of tiny elements beside a valid `kv_events`: as a tree, ~24
+        // MiB; read typed, the topic is all it keeps.
+        (
+            "a /server_info",
+            server_info,
+            || {
+                repeated(
+                    r#"{"kv_events": {"publisher": "zmq", "endpoint_port_base": 5557, "topic": "kv"}, "x": ["#,
+                    "0",
+                    (1 << 20) / 2 - 64,
+                    "]}",
+                )
+            },
+            |_| 64 << 10,
+        ),
+    ];
+    for (what, read, body, limit) in cases {
+        let body = body();
+        let extra = peak_of(read, &body);
+        assert!(
+            extra < limit(body.len()),
+            "reading {what} of {} KiB allocated {extra} bytes at its peak",
+            body.len() >> 10
+        );
+    }
 }
+
+/// A full 4-token block.
+const BLOCK: &str =
+    r#"{"tokens":[{"token_id":1},{"token_id":2},{"token_id":3},{"token_id":4}],"block_hash":7}"#;
+/// The smallest event a drain keeps.
+const TINY: &str = r#"{"data":{"type":"removed","block_hashes":[1]}}"#;

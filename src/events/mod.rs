@@ -13,7 +13,6 @@
 //!
 //! Every event reaches the index through the core's one writer, `engine_event::apply`.
 
-pub(crate) mod json;
 pub(crate) mod msgpack;
 pub(crate) mod server_info;
 pub mod subscriber;

@@ -13,9 +13,9 @@ use std::time::Duration;
 
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
-use super::json::{Scalar, each_entry, skip};
 use super::subscriber::FeedEndpoints;
 use crate::httpc;
+use crate::json::{Any, Scalar, each_entry, skip};
 use kv_epp_core::worker::WorkerId;
 
 /// What an SGLang worker advertises for its event publishers.
@@ -53,7 +53,7 @@ pub(crate) enum ServerInfoError {
 /// wins, as in a tree).
 pub(crate) fn parse(body: &[u8]) -> Result<Advertised, ServerInfoError> {
     let mut de = serde_json::Deserializer::from_slice(body);
-    let read = Body
+    let read = Any(Body)
         .deserialize(&mut de)
         .and_then(|b| de.end().map(|()| b))
         .map_err(|_| ServerInfoError::Malformed)?;
@@ -85,13 +85,6 @@ pub(crate) fn parse(body: &[u8]) -> Result<Advertised, ServerInfoError> {
 /// The body: `kv_events` (`None`: absent, or the body is not an object; `Some(None)`: null).
 struct Body;
 
-impl<'de> DeserializeSeed<'de> for Body {
-    type Value = Option<Option<KvEvents>>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
 impl<'de> Visitor<'de> for Body {
     type Value = Option<Option<KvEvents>>;
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
@@ -100,7 +93,7 @@ impl<'de> Visitor<'de> for Body {
     fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
         let mut kv = None;
         each_entry(map, &["kv_events"], |_, map| {
-            kv = Some(map.next_value_seed(KvEventsSeed)?);
+            kv = Some(map.next_value_seed(Any(KvEventsSeed))?);
             Ok(())
         })?;
         Ok(kv)
@@ -126,13 +119,6 @@ struct KvFields {
 }
 
 struct KvEventsSeed;
-
-impl<'de> DeserializeSeed<'de> for KvEventsSeed {
-    type Value = Option<KvEvents>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_any(self)
-    }
-}
 
 impl<'de> Visitor<'de> for KvEventsSeed {
     type Value = Option<KvEvents>;

@@ -108,12 +108,12 @@ fn read_drain_within(
     let mut drain = Drain::default();
     let mut kept_bytes = 0usize;
     let mut de = serde_json::Deserializer::from_slice(body);
-    EventsSeed {
+    Any(EventsSeed {
         block_size,
         budget,
         out: &mut drain,
         kept_bytes: &mut kept_bytes,
-    }
+    })
     .deserialize(&mut de)?;
     de.end()?;
     Ok(drain)
@@ -121,7 +121,7 @@ fn read_drain_within(
 
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
-use super::json::{Scalar, each_entry, skip};
+use crate::json::{Any, Scalar, each_entry, skip};
 
 /// The drain's array: each element read as an event ([`EventSeed`]) and normalized at once.
 struct EventsSeed<'a> {
@@ -129,13 +129,6 @@ struct EventsSeed<'a> {
     budget: usize,
     out: &'a mut Drain,
     kept_bytes: &'a mut usize,
-}
-
-impl<'de> DeserializeSeed<'de> for EventsSeed<'_> {
-    type Value = ();
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-        d.deserialize_seq(self)
-    }
 }
 
 impl<'de> Visitor<'de> for EventsSeed<'_> {
@@ -146,10 +139,10 @@ impl<'de> Visitor<'de> for EventsSeed<'_> {
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
         loop {
             let left = self.budget.saturating_sub(*self.kept_bytes);
-            let Some(event) = seq.next_element_seed(EventSeed {
+            let Some(event) = seq.next_element_seed(Any(EventSeed {
                 block_size: self.block_size,
                 budget: left.saturating_sub(EVENT_BYTES),
-            })?
+            }))?
             else {
                 return Ok(());
             };
@@ -267,13 +260,6 @@ struct EventSeed {
     budget: usize,
 }
 
-impl<'de> DeserializeSeed<'de> for EventSeed {
-    type Value = Option<DataRead<'de>>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
 impl<'de> Visitor<'de> for EventSeed {
     type Value = Option<DataRead<'de>>;
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
@@ -284,10 +270,10 @@ impl<'de> Visitor<'de> for EventSeed {
         each_entry(map, &["data"], |_, map| {
             // A second `data` replaces the first (and its decoded blocks are freed first).
             data = None;
-            data = Some(map.next_value_seed(DataSeed {
+            data = Some(map.next_value_seed(Any(DataSeed {
                 block_size: self.block_size,
                 budget: self.budget,
-            })?);
+            }))?);
             Ok(())
         })?;
         Ok(data)
@@ -314,13 +300,6 @@ struct DataSeed {
     budget: usize,
 }
 
-impl<'de> DeserializeSeed<'de> for DataSeed {
-    type Value = DataRead<'de>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
 impl<'de> Visitor<'de> for DataSeed {
     type Value = DataRead<'de>;
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
@@ -342,16 +321,16 @@ impl<'de> Visitor<'de> for DataSeed {
                 2 => d.salt = read_salt(map)?,
                 3 => {
                     d.blocks = None;
-                    d.blocks = map.next_value_seed(BlocksSeed {
+                    d.blocks = map.next_value_seed(Any(BlocksSeed {
                         block_size: self.block_size,
                         budget: self.budget,
-                    })?;
+                    }))?;
                 }
                 _ => {
                     d.removed = None;
-                    d.removed = map.next_value_seed(HashesSeed {
+                    d.removed = map.next_value_seed(Any(HashesSeed {
                         budget: self.budget,
-                    })?;
+                    }))?;
                 }
             }
             Ok(())
@@ -364,13 +343,6 @@ impl<'de> Visitor<'de> for DataSeed {
 /// A `removed` event's `block_hashes`.
 struct HashesSeed {
     budget: usize,
-}
-
-impl<'de> DeserializeSeed<'de> for HashesSeed {
-    type Value = Option<Result<Vec<EngineBlockHash>, &'static str>>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_any(self)
-    }
 }
 
 impl<'de> Visitor<'de> for HashesSeed {
@@ -428,13 +400,6 @@ struct BlocksSeed {
     budget: usize,
 }
 
-impl<'de> DeserializeSeed<'de> for BlocksSeed {
-    type Value = Option<Blocks<'de>>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
 impl<'de> Visitor<'de> for BlocksSeed {
     type Value = Option<Blocks<'de>>;
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
@@ -456,7 +421,7 @@ impl<'de> Visitor<'de> for BlocksSeed {
                 budget: self.budget,
                 blocks: &mut blocks,
             };
-            let Some(block) = seq.next_element_seed(seed)? else {
+            let Some(block) = seq.next_element_seed(Any(seed))? else {
                 break;
             };
             if let Err(why) = blocks.close(block, start, self.block_size, self.budget) {
@@ -550,13 +515,6 @@ struct BlockSeed<'a, 'de> {
     blocks: &'a mut Blocks<'de>,
 }
 
-impl<'de> DeserializeSeed<'de> for BlockSeed<'_, 'de> {
-    type Value = BlockRead<'de>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
 impl<'de> Visitor<'de> for BlockSeed<'_, 'de> {
     type Value = BlockRead<'de>;
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
@@ -582,10 +540,10 @@ impl<'de> Visitor<'de> for BlockSeed<'_, 'de> {
                     let room = (self.block_size + 1)
                         .min(MAX_TOKENS_PER_EVENT.saturating_sub(start))
                         .min(self.budget.saturating_sub(spent) / 4);
-                    b.tokens = map.next_value_seed(TokensSeed {
+                    b.tokens = map.next_value_seed(Any(TokensSeed {
                         room,
                         tokens: &mut self.blocks.tokens,
-                    })?;
+                    }))?;
                 }
                 1 => b.hash = Some(map.next_value()?),
                 2 => b.salt = read_salt(map)?,
@@ -614,13 +572,6 @@ struct TokensRead {
     bad: bool,
     /// More than `room`: the block could not be kept whole.
     overflow: bool,
-}
-
-impl<'de> DeserializeSeed<'de> for TokensSeed<'_> {
-    type Value = Option<TokensRead>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_any(self)
-    }
 }
 
 impl<'de> Visitor<'de> for TokensSeed<'_> {

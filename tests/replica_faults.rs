@@ -7,7 +7,9 @@
 //! Throughout: never two replicas draining one engine at once, no engine without a poller for
 //! longer than the takeover bound the README documents, the wrong-token replica never drains,
 //! is not ready and says why; afterwards every replica holds the same index, and a fresh round
-//! arrives whole everywhere.
+//! arrives whole everywhere. A second scenario isolates a one-way cut: a replica that cannot
+//! see the drainer claims its engines, and the drainer must stop first even when its claims
+//! outrank the newcomer's.
 
 mod common;
 
@@ -15,8 +17,8 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use common::replicas::{
-    Cutter, DrainEngine, Pusher, Replica, check_drains, converge, ports, round, wait_poller,
-    wait_poller_among,
+    Cutter, DrainEngine, Pusher, Replica, check_drains, converge, ports, recent_poller, round,
+    wait_poller, wait_poller_among,
 };
 
 /// Probe interval of the test replicas (`Replica::spawn` sets it).
@@ -187,4 +189,155 @@ async fn faults_never_split_a_drain_nor_strand_an_engine() {
         "fault scenario took {:?}; final index {after} blocks",
         started.elapsed()
     );
+}
+
+/// Whether `name` made the last drain of every engine, within the last second.
+fn polled_by(engines: &[DrainEngine], names: &HashMap<u32, String>, name: &str) -> bool {
+    engines
+        .iter()
+        .all(|e| recent_poller(e, names).as_deref() == Some(name))
+}
+
+/// Every drain source of `r` as `(worker, owner, polling, epoch)`, in the order of its status.
+async fn sources(r: &Replica) -> Vec<(String, Option<String>, bool, Option<u64>)> {
+    let Some(s) = r.status().await else {
+        return Vec::new();
+    };
+    let mut v: Vec<_> = s["single_reader_sources"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|v| {
+            (
+                v["worker"].as_str().unwrap_or_default().to_owned(),
+                v["owner"].as_str().map(str::to_owned),
+                v["polling"] == true,
+                v["epoch"].as_u64(),
+            )
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// A replica that cannot see the one draining a worker (a one-way cut) claims the worker, and
+/// under the same view it would start after its handoff. The drainer sees that claim: it must
+/// stop before then even when it outranks the claim (its epoch is higher), or both drain at once.
+/// `x` takes every engine over from `z` (so its claims are at epoch 2), then `y` starts behind
+/// a cut link to `x` (it claims everything at epoch 1); `x` sees `y`, ready, and keeps about
+/// half of the engines by rendezvous. Then the link heals and ownership settles.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drainer_stops_for_a_claim_made_without_seeing_it() {
+    let engines: Vec<DrainEngine> = (0..8).map(|_| DrainEngine::default()).collect();
+    let mut addrs = Vec::new();
+    for e in &engines {
+        addrs.push(e.start().await);
+    }
+    let workers: Vec<String> = addrs
+        .iter()
+        .map(|a| format!("{{endpoint: '{a}', model: m}}"))
+        .collect();
+    let body = format!(
+        "events: {{engine: trtllm, trtllm: {{poll_interval_ms: 50}}}}\nworkers: [{}]\n",
+        workers.join(", ")
+    );
+    let (pz, px, py) = (ports(), ports(), ports());
+    // y reaches x only through this link, cut from the start; x reaches y directly.
+    let link = Cutter::start(format!("127.0.0.1:{}", px.peer)).await;
+    link.set_cut(true);
+    let mut names: HashMap<u32, String> = HashMap::new();
+    let track = |r: &Replica, names: &mut HashMap<u32, String>| {
+        let pid = r.pid().unwrap();
+        names.insert(pid, format!("{}#{pid}", r.name));
+        for e in &engines {
+            e.watch(pid);
+        }
+    };
+    let mut z = Replica::spawn("z", &pz, &body, &[pz.peer, px.peer]);
+    track(&z, &mut names);
+    z.wait_ready(30).await;
+    let x = Replica::spawn("x", &px, &body, &[pz.peer, px.peer, py.peer]);
+    track(&x, &mut names);
+    x.wait_ready(30).await;
+    z.kill();
+    let x_name = names[&x.pid().unwrap()].clone();
+    assert!(
+        common::eventually(30, || polled_by(&engines, &names, &x_name)).await,
+        "x drains every engine once z is gone:\n{}",
+        x.log_tail()
+    );
+    let settled = Instant::now();
+    // x's claims were made above z's: they outrank the claims a fresh replica makes.
+    let before = sources(&x).await;
+    assert!(
+        before.len() == engines.len() && before.iter().all(|s| s.2 && s.3 >= Some(2)),
+        "{before:?}"
+    );
+
+    let y = Replica::spawn("y", &py, &body, &[pz.peer, link.addr.port(), py.peer]);
+    track(&y, &mut names);
+    y.wait_ready(30).await;
+    let y_name = names[&y.pid().unwrap()].clone();
+    // x sees y ready: the engines it still owns by rendezvous are those where the old rule
+    // (stand down only before a higher claim, or an active one) let both drain.
+    let y_instance = y.status().await.unwrap()["instance"].clone();
+    let sees_y = common::eventually_async(10, || async {
+        x.status().await.is_some_and(|s| {
+            s["peers"].as_array().is_some_and(|ps| {
+                ps.iter()
+                    .any(|p| p["instance"] == y_instance && p["ready"] == true)
+            })
+        })
+    })
+    .await;
+    assert!(sees_y, "x sees y, ready");
+    let x_instance = x.status().await.unwrap()["instance"].clone();
+    let kept = sources(&x)
+        .await
+        .iter()
+        .filter(|s| s.1.as_deref() == x_instance.as_str())
+        .count();
+    eprintln!(
+        "x is the rendezvous owner of {kept} of {} engines",
+        engines.len()
+    );
+    assert!(
+        common::eventually(30, || polled_by(&engines, &names, &y_name)).await,
+        "y, which sees no peer, drains every engine:\n{}",
+        y.log_tail()
+    );
+    assert!(
+        common::eventually_async(10, || async { sources(&x).await.iter().all(|s| !s.2) }).await,
+        "x stopped polling:\n{}",
+        x.log_tail()
+    );
+
+    // Healed: y sees x, and ownership settles by rendezvous with one poller per engine.
+    link.set_cut(false);
+    let agreed = common::eventually_async(30, || async {
+        let (sx, sy) = (sources(&x).await, sources(&y).await);
+        sx.len() == engines.len()
+            && sx
+                .iter()
+                .zip(&sy)
+                .all(|(a, b)| a.1.is_some() && a.1 == b.1 && a.2 != b.2)
+    })
+    .await;
+    assert!(
+        agreed,
+        "x and y agree on every engine's owner and exactly one polls it"
+    );
+
+    let bound = PROBE * TAKEOVER_INTERVALS;
+    for (i, e) in engines.iter().enumerate() {
+        let drains: Vec<(Instant, Option<u32>)> = e
+            .drains
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(t, _)| *t >= settled)
+            .copied()
+            .collect();
+        check_drains(&format!("engine {i}"), &drains, &names, &[], PROBE, bound);
+    }
 }

@@ -8,13 +8,16 @@
 //!   epoch it has seen for that source, and shows the claim in `Hello`. It does not claim while
 //!   a peer it sees holds a claim on the source (that peer stands down first when it sees it is
 //!   no longer the owner), and it gives its own claim up as soon as it sees a higher
-//!   `(epoch, instance)` claim, or, while draining, any draining claim of a peer (that peer may
-//!   not see it: a one-way cut). A claim becomes active (draining) only after the handoff delay.
+//!   `(epoch, instance)` claim, or, while draining, any claim of a peer at all (that peer did
+//!   not see ours when it claimed: a one-way cut, or answers that reach it too late; it starts
+//!   after its handoff whatever the ranks). A claim becomes active (draining) only after the
+//!   handoff delay.
 //!   Replicas also pass on the highest draining claim they know per source, so one that cannot
 //!   reach a new owner learns it was superseded from a peer that can.
 //! - **Leases.** Every drain must be admitted ([`Fencing::admit`]): the claim is active and its
-//!   lease, renewed by each completed probe round to `round start + 2.5 probe intervals` (a
-//!   probe waits at most one interval), has not run out on the monotonic clock. A process that was paused (SIGSTOP, a GC pause, a throttled
+//!   lease, renewed by each completed probe round that saw no peer's claim on the source to
+//!   `round start + 2.5 probe intervals` (a probe waits at most one interval), has not run out
+//!   on the monotonic clock. A process that was paused (SIGSTOP, a GC pause, a throttled
 //!   or frozen host) finds its lease expired when it resumes and drains nothing until a probe
 //!   round started *after* the pause confirms it still owns the source; by then its peers, who
 //!   stop waiting for it after 3 intervals and then wait the 3-interval handoff, have not started

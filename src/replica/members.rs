@@ -330,11 +330,11 @@ pub(crate) async fn probe_loop(state: Arc<ReplicaState>) {
         let view = m.view();
         for (w, c) in state.hub.fencing.claims() {
             let name = w.to_string();
-            let outranked = view.iter().any(|p| {
-                p.claims.iter().any(|pc| {
-                    pc.worker == name && (pc.active || (pc.epoch, p.instance) > (c.epoch, m.own))
-                })
-            });
+            // Any peer's claim, whatever its rank: a peer that claims while we drain does not
+            // see our claim and starts after its handoff, so our lease must run out before.
+            let outranked = view
+                .iter()
+                .any(|p| p.claims.iter().any(|pc| pc.worker == name));
             // With a drain Lease, only its confirmed renewals extend the claims (`lease.rs`).
             let probes_decide = state.lease().is_none();
             if probes_decide && c.active && !outranked && state.owner_of(&w) == Some(state.instance)

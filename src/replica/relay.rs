@@ -576,7 +576,7 @@ fn from_pb(ev: &pb::RelayEvent) -> Option<EngineEvent> {
 ///
 /// Per source, each tick: a replica that is not the rendezvous owner gives its claim up and
 /// stops polling; the owner stands down before a higher claim of a peer it sees (and, while
-/// draining, before any draining claim of a peer it sees), does not claim while a peer it sees
+/// draining, before any claim of a peer it sees), does not claim while a peer it sees
 /// holds one, else claims (see [`super::fence`]) and activates the claim once
 /// the handoff delay has passed, no ready peer still polls the source, it has applied what every
 /// ready peer had originated, and no catch-up of an origin that relayed this source is running.
@@ -661,6 +661,20 @@ pub(crate) async fn maintain(state: Arc<ReplicaState>) {
                 (Some(c), Some(_)) if c.active && peer_active && !leased => {
                     owner_since.remove(w);
                     stand_down(&state, w, "a peer drains the worker too: backing off");
+                    continue;
+                }
+                // A peer claims the source while we drain it. It never claims while it sees a
+                // claim, so it does not see ours (a one-way cut, or our answers reach it too
+                // late): it starts after its handoff whatever the ranks, and only stopping
+                // before then keeps the two drains apart. An equal or lower rank is no
+                // protection: it cannot see that either.
+                (Some(c), Some(_)) if c.active && !leased => {
+                    owner_since.remove(w);
+                    stand_down(
+                        &state,
+                        w,
+                        "a peer that does not see this replica's drain claims the worker: handing it over before it starts",
+                    );
                     continue;
                 }
                 (Some(c), Some(top)) if (c.epoch, state.instance) < top => {

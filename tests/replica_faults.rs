@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use common::replicas::{
     Cutter, DrainEngine, Pusher, Replica, check_drains, converge, ports, recent_poller, round,
-    wait_poller, wait_poller_among,
+    track, wait_poller, wait_poller_among,
 };
 
 /// Probe interval of the test replicas (`Replica::spawn` sets it).
@@ -47,20 +47,13 @@ async fn faults_never_split_a_drain_nor_strand_an_engine() {
     let link_c = Cutter::start(format!("127.0.0.1:{}", ps[2].peer)).await;
     let peers = [ps[0].peer, ps[1].peer, link_c.addr.port(), ps[3].peer];
     let mut names: HashMap<u32, String> = HashMap::new();
-    let track = |r: &Replica, names: &mut HashMap<u32, String>| {
-        let pid = r.pid().unwrap();
-        names.insert(pid, format!("{}#{pid}", r.name));
-        for e in &engines {
-            e.watch(pid);
-        }
-    };
     let mut rs: Vec<Replica> = ["a", "b", "c"]
         .iter()
         .zip(&ps)
         .map(|(n, p)| Replica::spawn(n, p, &body, &peers))
         .collect();
     for r in &rs {
-        track(r, &mut names);
+        track(&engines, r, &mut names);
     }
     for r in &rs {
         r.wait_ready(30).await;
@@ -75,7 +68,7 @@ async fn faults_never_split_a_drain_nor_strand_an_engine() {
 
     // 1. A replica with the wrong peer token: refused, it stays not ready, owns nothing, says so.
     let w = Replica::spawn_full("wrong", &ports(), &body, &peers, "", "not-the-peer-token");
-    track(&w, &mut names);
+    track(&engines, &w, &mut names);
     assert!(
         common::eventually_async(20, || async {
             w.status()
@@ -134,7 +127,7 @@ async fn faults_never_split_a_drain_nor_strand_an_engine() {
     killed_at.push(Instant::now());
     tokio::time::sleep(FAULT).await;
     rs[killed].restart();
-    track(&rs[killed], &mut names);
+    track(&engines, &rs[killed], &mut names);
     rs[killed].wait_ready(30).await;
 
     // 4. c's peer link cut (its peers lose it, it still sees them), then restored.
@@ -144,7 +137,7 @@ async fn faults_never_split_a_drain_nor_strand_an_engine() {
 
     // 5. A late joiner.
     let d = Replica::spawn("d", &ps[3], &body, &peers);
-    track(&d, &mut names);
+    track(&engines, &d, &mut names);
     d.wait_ready(30).await;
     rs.push(d);
     tokio::time::sleep(FAULT).await;
@@ -154,14 +147,7 @@ async fn faults_never_split_a_drain_nor_strand_an_engine() {
 
     let bound = PROBE * TAKEOVER_INTERVALS;
     for (i, e) in engines.iter().enumerate() {
-        let drains: Vec<(Instant, Option<u32>)> = e
-            .drains
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|(t, _)| *t >= settled)
-            .copied()
-            .collect();
+        let drains = e.drains_between(settled, Instant::now());
         assert!(
             drains
                 .iter()
@@ -246,18 +232,11 @@ async fn a_drainer_stops_for_a_claim_made_without_seeing_it() {
     let link = Cutter::start(format!("127.0.0.1:{}", px.peer)).await;
     link.set_cut(true);
     let mut names: HashMap<u32, String> = HashMap::new();
-    let track = |r: &Replica, names: &mut HashMap<u32, String>| {
-        let pid = r.pid().unwrap();
-        names.insert(pid, format!("{}#{pid}", r.name));
-        for e in &engines {
-            e.watch(pid);
-        }
-    };
     let mut z = Replica::spawn("z", &pz, &body, &[pz.peer, px.peer]);
-    track(&z, &mut names);
+    track(&engines, &z, &mut names);
     z.wait_ready(30).await;
     let x = Replica::spawn("x", &px, &body, &[pz.peer, px.peer, py.peer]);
-    track(&x, &mut names);
+    track(&engines, &x, &mut names);
     x.wait_ready(30).await;
     z.kill();
     let x_name = names[&x.pid().unwrap()].clone();
@@ -275,7 +254,7 @@ async fn a_drainer_stops_for_a_claim_made_without_seeing_it() {
     );
 
     let y = Replica::spawn("y", &py, &body, &[pz.peer, link.addr.port(), py.peer]);
-    track(&y, &mut names);
+    track(&engines, &y, &mut names);
     y.wait_ready(30).await;
     let y_name = names[&y.pid().unwrap()].clone();
     // x sees y ready: the engines it still owns by rendezvous are those where the old rule
@@ -330,14 +309,7 @@ async fn a_drainer_stops_for_a_claim_made_without_seeing_it() {
 
     let bound = PROBE * TAKEOVER_INTERVALS;
     for (i, e) in engines.iter().enumerate() {
-        let drains: Vec<(Instant, Option<u32>)> = e
-            .drains
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|(t, _)| *t >= settled)
-            .copied()
-            .collect();
+        let drains = e.drains_between(settled, Instant::now());
         check_drains(&format!("engine {i}"), &drains, &names, &[], PROBE, bound);
     }
 }

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use common::replicas::{
     Cutter, DrainEngine, Pusher, Replica, check_drains, converge, ports, recent_poller, round,
-    wait_poller_among,
+    track, wait_poller_among,
 };
 use kube_api::{FakeKube, Res};
 use serde_json::Value;
@@ -97,17 +97,6 @@ async fn wait_new_poller(
 }
 
 /// Drains of `engine` within `[from, to)`.
-fn drains_between(engine: &DrainEngine, from: Instant, to: Instant) -> Vec<(Instant, Option<u32>)> {
-    engine
-        .drains
-        .lock()
-        .unwrap()
-        .iter()
-        .filter(|(t, _)| *t >= from && *t < to)
-        .copied()
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_gives_every_drain_one_owner_through_partitions_pauses_kills_and_outages() {
     let fake = FakeKube::start().await;
@@ -124,20 +113,13 @@ async fn a_lease_gives_every_drain_one_owner_through_partitions_pauses_kills_and
     }
     let peers: Vec<u16> = links.iter().map(|l| l.addr.port()).collect();
     let mut names: HashMap<u32, String> = HashMap::new();
-    let track = |r: &Replica, names: &mut HashMap<u32, String>| {
-        let pid = r.pid().unwrap();
-        names.insert(pid, format!("{}#{pid}", r.name));
-        for e in &engines {
-            e.watch(pid);
-        }
-    };
     let mut rs: Vec<Replica> = ["a", "b", "c"]
         .iter()
         .zip(&ps)
         .map(|(n, p)| Replica::spawn_with(n, p, &body, &peers, LEASE))
         .collect();
     for r in &rs {
-        track(r, &mut names);
+        track(&engines, r, &mut names);
     }
     for r in &rs {
         r.wait_ready(30).await;
@@ -191,7 +173,7 @@ async fn a_lease_gives_every_drain_one_owner_through_partitions_pauses_kills_and
     }
     let holder_pid = rs[h].pid().unwrap();
     for (i, e) in engines.iter().enumerate() {
-        let during = drains_between(e, cut_at, healed_at);
+        let during = e.drains_between(cut_at, healed_at);
         assert!(!during.is_empty(), "engine {i}: the holder kept draining");
         assert!(
             during.iter().all(|(_, p)| *p == Some(holder_pid)),
@@ -241,7 +223,7 @@ async fn a_lease_gives_every_drain_one_owner_through_partitions_pauses_kills_and
     wait_new_poller(&engines[0], &names, &rs, killed_pid, 20).await;
     // Back as a new instance: three replicas again.
     rs[k].restart();
-    track(&rs[k], &mut names);
+    track(&engines, &rs[k], &mut names);
     rs[k].wait_ready(30).await;
     let holder = &rs[survivor];
 
@@ -268,7 +250,7 @@ async fn a_lease_gives_every_drain_one_owner_through_partitions_pauses_kills_and
     let quiet_until = expiry + Duration::from_secs(LEASE_SECS) * 2;
     tokio::time::sleep(quiet_until.saturating_duration_since(Instant::now())).await;
     for (i, e) in engines.iter().enumerate() {
-        let late = drains_between(e, expiry, Instant::now());
+        let late = e.drains_between(expiry, Instant::now());
         assert!(
             late.is_empty(),
             "engine {i}: drained {} times while the API server was unreachable, after the lease expired",
@@ -340,7 +322,7 @@ async fn a_lease_gives_every_drain_one_owner_through_partitions_pauses_kills_and
     for (i, e) in engines.iter().enumerate() {
         // Until the kill, the new holder kept the lease (later, the resumed replica may
         // legitimately take over).
-        let resumed = drains_between(e, resumed_at, killed_at[0]);
+        let resumed = e.drains_between(resumed_at, killed_at[0]);
         assert!(
             resumed.iter().all(|(_, p)| *p != Some(frozen_pid)),
             "engine {i}: the resumed holder drained again"
@@ -348,7 +330,7 @@ async fn a_lease_gives_every_drain_one_owner_through_partitions_pauses_kills_and
         // Before the outage: never two pollers, no gap beyond the bound.
         let gap = check_drains(
             &format!("engine {i}"),
-            &drains_between(e, settled, outage),
+            &e.drains_between(settled, outage),
             &names,
             &killed_at,
             PROBE,
@@ -357,7 +339,7 @@ async fn a_lease_gives_every_drain_one_owner_through_partitions_pauses_kills_and
         eprintln!("engine {i}: longest time without a poller {gap:?} (bound {bound:?})");
         check_drains(
             &format!("engine {i} after the outage"),
-            &drains_between(e, back, Instant::now()),
+            &e.drains_between(back, Instant::now()),
             &names,
             &[exited_at],
             PROBE,

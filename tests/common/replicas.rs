@@ -353,6 +353,27 @@ impl DrainEngine {
     pub fn is_drained(&self) -> bool {
         self.queue.lock().unwrap().is_empty()
     }
+
+    /// The drains made from `from` until before `to`.
+    pub fn drains_between(&self, from: Instant, to: Instant) -> Vec<Drain> {
+        self.drains
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(t, _)| *t >= from && *t < to)
+            .copied()
+            .collect()
+    }
+}
+
+/// Names `r`'s running process (`"<name>#<pid>"`, as drains are reported) and has every engine
+/// attribute drains to it.
+pub fn track(engines: &[DrainEngine], r: &Replica, names: &mut HashMap<u32, String>) {
+    let pid = r.pid().expect("running");
+    names.insert(pid, format!("{}#{pid}", r.name));
+    for e in engines {
+        e.watch(pid);
+    }
 }
 
 /// A stored event of a fresh two-block sequence (hashes `h`, `h + 1`) under `tenant`.

@@ -26,6 +26,10 @@
 //!   (`prev`: its instance and the relay sequence this replica had reached); a relayed batch of a
 //!   superseded epoch at or beyond that point was drained after the handover and is refused by
 //!   every replica (the origin included), so a late drain cannot make replicas disagree.
+//!   A replica whose batches may have been refused says so (it is *diverged*) and the owner
+//!   clears the source everywhere: when the successor's cut falls before the end of its own
+//!   batches ([`Fencing::cut_off`]), or when the successor did not name it at all (it claimed
+//!   without seeing this replica; [`Fencing::flag_unnamed_successors`]).
 //!
 //! Pure bookkeeping under one lock; the caller does the I/O.
 
@@ -83,6 +87,8 @@ struct Inner {
     flagged_cuts: HashMap<WorkerId, u64>,
     /// The (epoch, owner) under which each source was last cleared in a relay stream.
     cleared: HashMap<WorkerId, (u64, u64)>,
+    /// The epoch of our latest own batch per source, until a successor's fence outranks it.
+    drained: HashMap<WorkerId, u64>,
 }
 
 /// Claims, leases and fences of one replica.
@@ -173,6 +179,37 @@ impl Fencing {
         st.flagged_cuts.insert(w, cut);
         st.diverged.insert(w);
         true
+    }
+
+    /// Flags (and returns) the sources whose successor took over without naming this replica:
+    /// the highest fence outranks the epoch of our latest own batch and its `prev` is not ours.
+    /// It claimed without seeing our drain (a one-way cut, or our claim reached it late), so
+    /// every peer that learned its fence before our last batches arrived refused them, and we
+    /// may hold events they lack. A successor that names us declares a cut, and [`cut_off`]
+    /// covers that case. Each epoch of ours is looked at once, when it is outranked.
+    ///
+    /// [`cut_off`]: Fencing::cut_off
+    pub(crate) fn flag_unnamed_successors(&self) -> Vec<WorkerId> {
+        let me = self.instance;
+        let mut st = self.inner.lock();
+        let Inner {
+            drained,
+            fences,
+            diverged,
+            ..
+        } = &mut *st;
+        let mut flagged = Vec::new();
+        drained.retain(|w, epoch| match fences.get(w) {
+            Some(f) if (f.epoch, f.owner) > (*epoch, me) => {
+                if !matches!(f.prev, Some((o, _)) if o == me) {
+                    flagged.push(*w);
+                }
+                false
+            }
+            _ => true,
+        });
+        diverged.extend(flagged.iter().copied());
+        flagged
     }
 
     /// The sources this replica diverged on.
@@ -320,6 +357,9 @@ impl Fencing {
                     && st.cleared.get(&w) != Some(&(f.epoch, f.owner))
             }
             _ => {
+                if origin == self.instance {
+                    st.drained.insert(w, ticket.epoch);
+                }
                 raise(
                     &mut st.fences,
                     w,
@@ -410,5 +450,40 @@ mod tests {
         // A later claim by the old owner goes above everything seen.
         o.release(&w());
         assert_eq!(o.claim(w()), 3);
+    }
+
+    /// A drainer whose successor claimed without seeing it (the same epoch, a higher instance,
+    /// and no cut naming it) flags itself diverged, once: peers that learned the successor's
+    /// fence first refused its last batches. A successor that names it, or a fence below its
+    /// epoch, flags nothing here.
+    #[test]
+    fn a_successor_that_did_not_name_the_drainer_flags_it_diverged() {
+        let (me, other) = (1u64, 2u64);
+        let t = Instant::now() + Duration::from_secs(60);
+        let drain = |f: &Fencing| {
+            f.claim(w());
+            f.activate(&w(), None, t);
+            let tk = f.admit(&w(), Instant::now()).unwrap();
+            assert!(f.accept_batch(w(), me, 0, tk));
+            tk.epoch
+        };
+        let f = Fencing::new(me);
+        let e = drain(&f);
+        // A fence below ours (a predecessor) is no successor.
+        f.observe_claim(w(), other, e - 1, true, None);
+        assert!(f.flag_unnamed_successors().is_empty());
+        // Claims crossed: the same epoch, a higher instance, no cut of ours.
+        f.observe_claim(w(), other, e, true, None);
+        assert_eq!(f.flag_unnamed_successors(), vec![w()]);
+        assert_eq!(f.diverged(), vec![w()]);
+        assert!(f.flag_unnamed_successors().is_empty(), "once");
+
+        // A successor that names us declares a cut instead (`cut_off`).
+        let g = Fencing::new(me);
+        let e = drain(&g);
+        g.observe_claim(w(), other, e + 1, true, Some((me, 1)));
+        assert!(g.flag_unnamed_successors().is_empty());
+        assert!(g.diverged().is_empty());
+        assert_eq!(g.cut_off(), vec![(w(), 1)]);
     }
 }

@@ -349,6 +349,11 @@ pub(crate) async fn probe_loop(state: Arc<ReplicaState>) {
                 tracing::warn!(worker = %w, "this replica drained events its peers refused (it was paused or cut off while it owned the worker): asking the owner to clear it");
             }
         }
+        // A successor that took over without seeing our drain: peers may have refused our last
+        // batches (those that reached them after its fence), so we may hold events they lack.
+        for w in state.hub.fencing.flag_unnamed_successors() {
+            tracing::warn!(worker = %w, "a replica took this worker's drain over without seeing this replica's (a one-way cut, or claims crossed): peers may have refused its last batches, asking the owner to clear it");
+        }
         let refused = m.token_refused();
         if refused != was_refused {
             was_refused = refused;

@@ -296,6 +296,7 @@ async fn a_drainer_stops_for_a_claim_made_without_seeing_it() {
     let agreed = common::eventually_async(30, || async {
         let (sx, sy) = (sources(&x).await, sources(&y).await);
         sx.len() == engines.len()
+            && sy.len() == engines.len()
             && sx
                 .iter()
                 .zip(&sy)

@@ -649,31 +649,28 @@ pub(crate) async fn maintain(state: Arc<ReplicaState>) {
                 continue;
             }
             let ours = fencing.claim_of(w);
-            // A peer this replica sees drains the source too: back off whatever the ranks (the
-            // peer may not see us, and would never stand down); claims settle from scratch.
-            let peer_active = view
-                .iter()
-                .any(|m| m.claims.iter().any(|c| c.worker == name && c.active));
-            // With a drain Lease the API server arbitrates: a peer's stale draining claim (a
-            // previous holder that has not yet seen it lost) is no reason to back off.
+            // With a drain Lease the API server arbitrates: a peer's stale claim (a previous
+            // holder that has not yet seen it lost) is no reason to back off.
             let leased = state.lease().is_some();
             match (&ours, peer_top) {
-                (Some(c), Some(_)) if c.active && peer_active && !leased => {
-                    owner_since.remove(w);
-                    stand_down(&state, w, "a peer drains the worker too: backing off");
-                    continue;
-                }
                 // A peer claims the source while we drain it. It never claims while it sees a
                 // claim, so it does not see ours (a one-way cut, or our answers reach it too
-                // late): it starts after its handoff whatever the ranks, and only stopping
-                // before then keeps the two drains apart. An equal or lower rank is no
-                // protection: it cannot see that either.
+                // late): it drains, or will after its handoff, whatever the ranks, and only
+                // stopping keeps the two drains apart (claims then settle from scratch). An
+                // equal or lower rank is no protection: it cannot see that either.
                 (Some(c), Some(_)) if c.active && !leased => {
+                    let peer_active = view
+                        .iter()
+                        .any(|m| m.claims.iter().any(|c| c.worker == name && c.active));
                     owner_since.remove(w);
                     stand_down(
                         &state,
                         w,
-                        "a peer that does not see this replica's drain claims the worker: handing it over before it starts",
+                        if peer_active {
+                            "a peer drains the worker too: backing off"
+                        } else {
+                            "a peer that does not see this replica's drain claims the worker: handing it over before it starts"
+                        },
                     );
                     continue;
                 }

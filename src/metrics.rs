@@ -61,6 +61,8 @@ pub struct Metrics {
     pub replica_unauthenticated: Counter,
     /// Probes of this replica that a peer refused for its token.
     pub replica_refused_by_peers: Counter,
+    /// Peers' claims and relayed batches refused for an ownership epoch no replica can reach.
+    pub replica_epochs_refused: Counter,
     /// Admin API requests refused, by reason (`missing`, `malformed`, `invalid_token`).
     pub admin_unauthenticated: Family<Labels, Counter>,
     /// Metrics scrapes refused, by reason (`missing`, `malformed`, `invalid_token`,
@@ -217,6 +219,12 @@ impl Metrics {
             "Probes of this replica that a peer refused for a wrong token (peers.token_file differs)",
             replica_refused_by_peers.clone(),
         );
+        let replica_epochs_refused = Counter::default();
+        registry.register(
+            "replica_epochs_refused",
+            "Peers' claims and relayed batches refused for an ownership epoch out of range",
+            replica_epochs_refused.clone(),
+        );
         let admin_unauthenticated = Family::<Labels, Counter>::default();
         registry.register(
             "admin_unauthenticated",
@@ -275,6 +283,7 @@ impl Metrics {
             replica_snapshot_bytes,
             replica_unauthenticated,
             replica_refused_by_peers,
+            replica_epochs_refused,
             requests,
             decision_seconds,
             prompt_blocks,

@@ -37,8 +37,16 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use parking_lot::Mutex;
+use prometheus_client::metrics::counter::Counter;
 
 use kv_epp_core::worker::WorkerId;
+
+/// The highest ownership epoch a replica can reach: a drain Lease's floor is at most
+/// `(2^31 + 1) << 32` (`lease.rs`: the Lease's transitions, capped at 2^31, above the low 32
+/// bits), and claims count up from a floor by one per takeover. A peer's claim or batch above it
+/// is refused and counted: taken in, it would make the next claim's `seen + 1` wrap (to the
+/// "no fencing" epoch 0 or below every fence), so one bad message could stop a source for good.
+pub(crate) const MAX_EPOCH: u64 = ((1 << 31) + 2) << 32;
 
 /// This replica's claim on a source.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -95,14 +103,31 @@ struct Inner {
 pub(crate) struct Fencing {
     instance: u64,
     inner: Mutex<Inner>,
+    /// Peers' claims and batches refused for an epoch above [`MAX_EPOCH`].
+    refused: Counter,
 }
 
 impl Fencing {
-    pub(crate) fn new(instance: u64) -> Fencing {
+    pub(crate) fn new(instance: u64, refused: Counter) -> Fencing {
         Fencing {
             instance,
             inner: Mutex::new(Inner::default()),
+            refused,
         }
+    }
+
+    /// Whether `epoch`, from a peer, is one a replica can reach; counts it when not.
+    pub(crate) fn in_range(&self, epoch: u64) -> bool {
+        if epoch <= MAX_EPOCH {
+            return true;
+        }
+        self.refused.inc();
+        tracing::warn!(
+            epoch,
+            "a peer sent an ownership epoch no replica can reach; ignored \
+             (kv_epp_replica_epochs_refused_total)"
+        );
+        false
     }
 
     /// Our claim on `w`, if any.
@@ -132,7 +157,8 @@ impl Fencing {
         if let Some(c) = st.claims.get(&w) {
             return c.epoch;
         }
-        let epoch = (st.seen.get(&w).copied().unwrap_or(0) + 1).max(floor + 1);
+        let seen = st.seen.get(&w).copied().unwrap_or(0);
+        let epoch = seen.saturating_add(1).max(floor.saturating_add(1));
         st.seen.insert(w, epoch);
         st.claims.insert(
             w,
@@ -315,7 +341,7 @@ impl Fencing {
     }
 
     /// Notes a peer's claim (from its `Hello`): its epoch is seen, and an active one raises the
-    /// fence.
+    /// fence. A claim above [`MAX_EPOCH`] is ignored (and counted).
     pub(crate) fn observe_claim(
         &self,
         w: WorkerId,
@@ -324,6 +350,9 @@ impl Fencing {
         active: bool,
         prev: Option<(u64, u64)>,
     ) {
+        if !self.in_range(epoch) {
+            return;
+        }
         let mut st = self.inner.lock();
         let seen = st.seen.entry(w).or_insert(0);
         *seen = (*seen).max(epoch);
@@ -343,10 +372,13 @@ impl Fencing {
     /// Whether a relayed (or own) batch of `w` from `origin` at `seq`, drained under `ticket`,
     /// may be applied. A batch of the highest epoch raises the fence; one of a superseded epoch
     /// passes only if it comes before the cut its successor declared, and that successor has not
-    /// cleared the source since.
+    /// cleared the source since. A batch above [`MAX_EPOCH`] is refused (and counted).
     pub(crate) fn accept_batch(&self, w: WorkerId, origin: u64, seq: u64, ticket: Ticket) -> bool {
         if ticket.epoch == 0 {
             return true;
+        }
+        if !self.in_range(ticket.epoch) {
+            return false;
         }
         let mut st = self.inner.lock();
         let seen = st.seen.entry(w).or_insert(0);
@@ -393,7 +425,7 @@ mod tests {
 
     #[test]
     fn a_lapsed_lease_admits_nothing_until_renewed() {
-        let f = Fencing::new(1);
+        let f = Fencing::new(1, Counter::default());
         let t0 = Instant::now();
         assert_eq!(f.claim(w()), 1);
         assert!(f.admit(&w(), t0).is_none(), "pending claims do not drain");
@@ -409,9 +441,9 @@ mod tests {
     #[test]
     fn a_higher_claim_fences_the_old_owner_and_its_late_batches() {
         let (old, new, third) = (1u64, 2u64, 3u64);
-        let o = Fencing::new(old);
-        let n = Fencing::new(new);
-        let r = Fencing::new(third);
+        let o = Fencing::new(old, Counter::default());
+        let n = Fencing::new(new, Counter::default());
+        let r = Fencing::new(third, Counter::default());
         let t = Instant::now() + Duration::from_secs(60);
         o.claim(w());
         o.activate(&w(), None, t);
@@ -457,6 +489,31 @@ mod tests {
     /// fence first refused its last batches. A successor that names it, or a fence below its
     /// epoch, flags nothing here.
     #[test]
+    fn an_epoch_no_replica_can_reach_is_refused_and_counted() {
+        let refused = Counter::default();
+        let f = Fencing::new(1, refused.clone());
+        f.observe_claim(w(), 2, u64::MAX, true, None);
+        f.observe_claim(w(), 2, MAX_EPOCH + 1, false, None);
+        let wild = Ticket {
+            epoch: u64::MAX,
+            prev: None,
+        };
+        assert!(!f.accept_batch(w(), 2, 0, wild), "its batch is refused");
+        assert_eq!(refused.get(), 3);
+        assert!(f.fences().is_empty(), "it raised no fence");
+        assert_eq!(
+            f.claim(w()),
+            1,
+            "the next claim counts from what was in range"
+        );
+        // Epochs a Lease can give are taken in.
+        let lease_epoch = ((1u64 << 31) + 1) << 32;
+        f.observe_claim(w(), 2, lease_epoch, true, None);
+        assert!(f.superseded(&w()));
+        assert_eq!(refused.get(), 3);
+    }
+
+    #[test]
     fn a_successor_that_did_not_name_the_drainer_flags_it_diverged() {
         let (me, other) = (1u64, 2u64);
         let t = Instant::now() + Duration::from_secs(60);
@@ -467,7 +524,7 @@ mod tests {
             assert!(f.accept_batch(w(), me, 0, tk));
             tk.epoch
         };
-        let f = Fencing::new(me);
+        let f = Fencing::new(me, Counter::default());
         let e = drain(&f);
         // A fence below ours (a predecessor) is no successor.
         f.observe_claim(w(), other, e - 1, true, None);
@@ -479,7 +536,7 @@ mod tests {
         assert!(f.flag_unnamed_successors().is_empty(), "once");
 
         // A successor that names us declares a cut instead (`cut_off`).
-        let g = Fencing::new(me);
+        let g = Fencing::new(me, Counter::default());
         let e = drain(&g);
         g.observe_claim(w(), other, e + 1, true, Some((me, 1)));
         assert!(g.flag_unnamed_successors().is_empty());

@@ -168,7 +168,7 @@ impl RelayHub {
             tail: watch::channel(0).0,
             counters,
             events,
-            fencing: Fencing::new(instance),
+            fencing: Fencing::new(instance, metrics.replica_epochs_refused.clone()),
         }
     }
 
@@ -361,6 +361,10 @@ impl RelayHub {
         };
         st.positions.insert(b.origin, b.seq.saturating_add(1));
         let placed = self.place(b);
+        if placed.is_some() && !self.fencing.in_range(b.epoch) {
+            // Not fenced by a claim: an epoch no replica can reach (counted by the fencing).
+            return outcome;
+        }
         if let Some((worker, _)) = &placed {
             let ticket = Ticket {
                 epoch: b.epoch,

@@ -157,6 +157,9 @@ struct Settings {
     /// `--no-readers`: no reader windows, so a profile's queries are the timed ones alone (a
     /// fixed set, unlike the windows', whose count depends on the speed).
     readers: bool,
+    /// `--tail`: what the slowest queries are (each prompt's fastest time, and the shapes of
+    /// the prompts slowest at their fastest), to tell a structural tail from noise.
+    tail: bool,
 }
 
 fn main() {
@@ -186,6 +189,7 @@ fn main() {
             .and_then(|i| args.get(i + 1))
             .cloned(),
         readers: !args.iter().any(|a| a == "--no-readers"),
+        tail: args.iter().any(|a| a == "--tail"),
     };
     let default_trace = concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -914,6 +918,47 @@ struct Figures {
     two: Readers,
 }
 
+/// `--tail`: each prompt's fastest time over the timed rounds (a prompt is timed about five
+/// times), as percentiles, and the prompts slowest at their fastest with their length and the
+/// naive model's answer: a tail made of the same prompts every time is the index's structure,
+/// not the machine's noise. `lat[i]` is round `i`'s time (rounds take prompt `i * 7919 mod n`).
+fn print_tail(name: &str, stream: &Stream, lat: &[u64]) {
+    let n = stream.prompts.len();
+    let mut fastest = vec![u64::MAX; n];
+    for (i, &t) in lat.iter().enumerate() {
+        let j = (i * 7919) % n;
+        fastest[j] = fastest[j].min(t);
+    }
+    let mut by_time: Vec<(u64, usize)> = (fastest.iter().copied().zip(0..))
+        .filter(|&(t, _)| t != u64::MAX)
+        .collect();
+    by_time.sort_unstable();
+    let times: Vec<u64> = by_time.iter().map(|&(t, _)| t).collect();
+    println!(
+        "  {name:<28} each prompt's fastest query: p50 {:.2} µs, p99 {:.2} µs, max {:.2} µs",
+        percentile(&times, 0.50) / 1e3,
+        percentile(&times, 0.99) / 1e3,
+        percentile(&times, 1.0) / 1e3,
+    );
+    for &(t, j) in by_time.iter().rev().take(5) {
+        let p = &stream.prompts[j];
+        let answer = naive(stream, p);
+        let best = answer.iter().map(|&(_, d)| d).max().unwrap_or(0);
+        let second = (answer.iter().map(|&(_, d)| d))
+            .filter(|&d| d < best)
+            .max()
+            .unwrap_or(0);
+        let at_best = answer.iter().filter(|&&(_, d)| d == best).count();
+        println!(
+            "    {:.2} µs: {} blocks, {} workers answer, {at_best} hold the longest prefix ({best} \
+             blocks), the next longest {second}",
+            t as f64 / 1e3,
+            p.seqs.len(),
+            answer.len()
+        );
+    }
+}
+
 fn percentile(sorted: &[u64], q: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
@@ -1087,6 +1132,9 @@ fn measure(
         let t = Instant::now();
         sys.query(p, &mut reuse);
         lat.push(t.elapsed().as_nanos() as u64);
+    }
+    if s.tail {
+        print_tail(name, stream, &lat);
     }
     lat.sort_unstable();
     f.p50_ns = percentile(&lat, 0.50);

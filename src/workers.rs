@@ -12,6 +12,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use parking_lot::RwLock;
 use tokio::sync::Notify;
 
+use prometheus_client::metrics::gauge::Gauge;
+
 use crate::metrics::Metrics;
 use kv_epp_core::index::KvIndex;
 use kv_epp_core::scoring::EngineLoad;
@@ -26,6 +28,10 @@ pub struct WorkerRuntime {
     /// Its model's index (`None`: a model kv-epp does not serve).
     index: Option<Arc<KvIndex>>,
     inflight: AtomicU32,
+    /// Its `kv_epp_inflight_requests{worker}` series, moved by bookings with no lookup (only
+    /// increments and decrements: concurrent bookings cannot leave a stale value); detached from
+    /// the export when the worker leaves, so departed pods leave no series behind.
+    gauge: Gauge,
     ready: AtomicBool,
     engine: RwLock<Option<EngineLoad>>,
 }
@@ -60,22 +66,14 @@ impl WorkerRuntime {
 /// One in-flight slot on a worker, released on drop.
 pub struct Booking {
     worker: Arc<WorkerRuntime>,
-    metrics: Arc<Metrics>,
     released: Arc<Notify>,
 }
 
 impl Booking {
-    fn new(worker: Arc<WorkerRuntime>, metrics: Arc<Metrics>, released: Arc<Notify>) -> Booking {
-        let n = worker.inflight.fetch_add(1, Ordering::Relaxed) + 1;
-        metrics
-            .inflight
-            .get_or_create(&Metrics::labels(&[("worker", &worker.id.to_string())]))
-            .set(i64::from(n));
-        Booking {
-            worker,
-            metrics,
-            released,
-        }
+    fn new(worker: Arc<WorkerRuntime>, released: Arc<Notify>) -> Booking {
+        worker.inflight.fetch_add(1, Ordering::Relaxed);
+        worker.gauge.inc();
+        Booking { worker, released }
     }
 
     /// The booked worker.
@@ -86,11 +84,8 @@ impl Booking {
 
 impl Drop for Booking {
     fn drop(&mut self) {
-        let n = self.worker.inflight.fetch_sub(1, Ordering::Relaxed) - 1;
-        self.metrics
-            .inflight
-            .get_or_create(&Metrics::labels(&[("worker", &self.worker.id.to_string())]))
-            .set(i64::from(n));
+        self.worker.inflight.fetch_sub(1, Ordering::Relaxed);
+        self.worker.gauge.dec();
         // Capacity freed: flow control dispatches from its queue.
         self.released.notify_one();
     }
@@ -135,18 +130,24 @@ impl Workers {
         if let Some(index) = &index {
             index.add_worker(id);
         }
+        let gauge = self
+            .metrics
+            .inflight
+            .get_or_create(&gauge_labels(&id))
+            .clone();
         list.push(Arc::new(WorkerRuntime {
             id,
             model: model.to_owned(),
             index,
             inflight: AtomicU32::new(0),
+            gauge,
             ready: AtomicBool::new(true),
             engine: RwLock::new(None),
         }));
     }
 
-    /// Removes a worker from routing and drops its index state. In-flight bookings on it finish
-    /// normally.
+    /// Removes a worker from routing, drops its index state and its in-flight series.
+    /// In-flight bookings on it finish normally (their counts move a series no longer exported).
     pub fn remove(&self, id: &WorkerId) {
         let mut list = self.list.write();
         if let Some(pos) = list.iter().position(|w| w.id == *id) {
@@ -154,6 +155,8 @@ impl Workers {
             if let Some(index) = &w.index {
                 index.remove_worker(id);
             }
+            // Under the list's lock: a worker re-added with the same id gets a fresh series.
+            self.metrics.inflight.remove(&gauge_labels(id));
         }
     }
 
@@ -194,8 +197,13 @@ impl Workers {
 
     /// Books one in-flight slot on `worker`, released when the booking drops.
     pub(crate) fn book(&self, worker: &Arc<WorkerRuntime>) -> Booking {
-        Booking::new(worker.clone(), self.metrics.clone(), self.released.clone())
+        Booking::new(worker.clone(), self.released.clone())
     }
+}
+
+/// The label set of a worker's in-flight series.
+fn gauge_labels(id: &WorkerId) -> crate::metrics::Labels {
+    Metrics::labels(&[("worker", &id.to_string())])
 }
 
 #[cfg(test)]
@@ -223,5 +231,55 @@ mod tests {
             0,
             "a booking on a removed worker still releases"
         );
+    }
+
+    /// The in-flight value exported for `id`, if a series for it is exported.
+    fn exported(metrics: &Metrics, id: &str) -> Option<String> {
+        let line = format!("kv_epp_inflight_requests{{worker=\"{id}\"}} ");
+        (metrics.encode().lines())
+            .find_map(|l| l.strip_prefix(line.as_str()))
+            .map(str::to_owned)
+    }
+
+    #[test]
+    fn departed_workers_leave_no_in_flight_series_and_old_bookings_do_not_touch_a_new_one() {
+        let metrics = Arc::new(Metrics::new());
+        let workers = Workers::new(metrics.clone());
+        let id: WorkerId = "10.0.0.1:8000".parse().unwrap();
+        let name = "10.0.0.1:8000";
+        workers.add(id, "m", None);
+        assert_eq!(exported(&metrics, name).as_deref(), Some("0"));
+        let old = workers.get(&id).unwrap();
+        let held = workers.book(&old);
+        let done = workers.book(&old);
+        drop(done);
+        assert_eq!(exported(&metrics, name).as_deref(), Some("1"));
+        workers.remove(&id);
+        assert_eq!(
+            exported(&metrics, name),
+            None,
+            "the series leaves with the pod"
+        );
+        // The same address comes back (a new pod): its series starts at 0, and the booking
+        // still held on the departed one releases without touching it.
+        workers.add(id, "m", None);
+        let new = workers.get(&id).unwrap();
+        let _busy = workers.book(&new);
+        drop(held);
+        assert_eq!(exported(&metrics, name).as_deref(), Some("1"));
+        // Pod churn: many addresses come and go, and none stays exported.
+        for i in 0..1000u32 {
+            let churn: WorkerId = format!("10.1.{}.{}:8000", i / 256, i % 256)
+                .parse()
+                .unwrap();
+            workers.add(churn, "m", None);
+            let w = workers.get(&churn).unwrap();
+            drop(workers.book(&w));
+            workers.remove(&churn);
+        }
+        let series = (metrics.encode().lines())
+            .filter(|l| l.starts_with("kv_epp_inflight_requests{"))
+            .count();
+        assert_eq!(series, 1, "only the live worker's series is exported");
     }
 }

@@ -14,6 +14,8 @@ use super::*;
 use crate::config::Config;
 use crate::metrics::Metrics;
 
+mod untrusted;
+
 /// Two workers of model `m`, and the metrics handlers count into.
 struct Rig {
     picker: Arc<Picker>,
@@ -82,14 +84,66 @@ fn headers(pairs: &[(&str, &str)], eos: bool, mode: i32) -> ProcessingRequest {
     }
 }
 
-fn body(bytes: &[u8], eos: bool) -> ProcessingRequest {
+fn message(request: Request) -> ProcessingRequest {
     ProcessingRequest {
-        request: Some(Request::RequestBody(HttpBody {
-            body: bytes.to_vec(),
+        request: Some(request),
+        ..Default::default()
+    }
+}
+
+fn http_body(bytes: &[u8], eos: bool) -> HttpBody {
+    HttpBody {
+        body: bytes.to_vec(),
+        end_of_stream: eos,
+        ..Default::default()
+    }
+}
+
+fn body(bytes: &[u8], eos: bool) -> ProcessingRequest {
+    message(Request::RequestBody(http_body(bytes, eos)))
+}
+
+fn response_body(bytes: &[u8], eos: bool) -> ProcessingRequest {
+    message(Request::ResponseBody(http_body(bytes, eos)))
+}
+
+/// Request or response trailers.
+fn trailers(request: bool) -> ProcessingRequest {
+    let t = HttpTrailers::default();
+    message(if request {
+        Request::RequestTrailers(t)
+    } else {
+        Request::ResponseTrailers(t)
+    })
+}
+
+/// Response headers with a content type, and the endpoint the gateway reports as having served
+/// the request (`envoy.lb` metadata).
+fn response_headers(
+    content_type: Option<&str>,
+    eos: bool,
+    served: Option<&str>,
+) -> ProcessingRequest {
+    let headers = content_type.map(|ct| HeaderMap {
+        headers: vec![HeaderValue {
+            key: "content-type".into(),
+            value: String::new(),
+            raw_value: ct.as_bytes().to_vec(),
+        }],
+    });
+    let served = served.map(|s| {
+        let value = Value {
+            kind: Some(Kind::StringValue(s.into())),
+        };
+        metadata("envoy.lb", "x-gateway-destination-endpoint-served", value)
+    });
+    ProcessingRequest {
+        metadata_context: served,
+        ..message(Request::ResponseHeaders(HttpHeaders {
+            headers,
             end_of_stream: eos,
             ..Default::default()
-        })),
-        ..Default::default()
+        }))
     }
 }
 
@@ -325,17 +379,24 @@ fn saturation_gives_429_with_retry_after() {
     );
 }
 
-fn with_subset(mut msg: ProcessingRequest, v: Value) -> ProcessingRequest {
+/// Metadata with one field in one namespace.
+fn metadata(namespace: &str, key: &str, value: Value) -> Metadata {
     let mut md = Metadata::default();
     md.filter_metadata.insert(
-        "envoy.lb.subset_hint".into(),
+        namespace.into(),
         Struct {
-            fields: [("x-gateway-destination-endpoint-subset".to_string(), v)]
-                .into_iter()
-                .collect(),
+            fields: [(key.to_string(), value)].into_iter().collect(),
         },
     );
-    msg.metadata_context = Some(md);
+    md
+}
+
+fn with_subset(mut msg: ProcessingRequest, v: Value) -> ProcessingRequest {
+    msg.metadata_context = Some(metadata(
+        "envoy.lb.subset_hint",
+        "x-gateway-destination-endpoint-subset",
+        v,
+    ));
     msg
 }
 
@@ -385,26 +446,8 @@ fn conformance_selection_and_served_echo() {
     let (dest, _, _, _, removed) = routing_of(&out);
     assert_eq!(dest, "10.0.0.2:8000");
     assert!(removed.contains(&"test-epp-endpoint-selection".to_string()));
-    let mut md = Metadata::default();
-    md.filter_metadata.insert(
-        "envoy.lb".into(),
-        Struct {
-            fields: [(
-                "x-gateway-destination-endpoint-served".to_string(),
-                Value {
-                    kind: Some(Kind::StringValue("10.0.0.2:8000".into())),
-                },
-            )]
-            .into_iter()
-            .collect(),
-        },
-    );
     let out = h
-        .on_message(ProcessingRequest {
-            metadata_context: Some(md),
-            request: Some(Request::ResponseHeaders(HttpHeaders::default())),
-            ..Default::default()
-        })
+        .on_message(response_headers(None, false, Some("10.0.0.2:8000")))
         .unwrap();
     let Some(Response::ResponseHeaders(hr)) = &out[0].response else {
         panic!()
@@ -431,35 +474,13 @@ fn response_body_is_echoed_and_usage_counted() {
     h.on_message(headers(&[], false, FULL_DUPLEX)).unwrap();
     h.on_message(body(br#"{"model":"m","prompt":[1,2,3,4]}"#, true))
         .unwrap();
-    let ct = HeaderMap {
-        headers: vec![HeaderValue {
-            key: "content-type".into(),
-            value: String::new(),
-            raw_value: b"text/event-stream".to_vec(),
-        }],
-    };
-    h.on_message(ProcessingRequest {
-        request: Some(Request::ResponseHeaders(HttpHeaders {
-            headers: Some(ct),
-            ..Default::default()
-        })),
-        ..Default::default()
-    })
-    .unwrap();
+    h.on_message(response_headers(Some("text/event-stream"), false, None))
+        .unwrap();
     let sse = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":4,\"completion_tokens\":9}}\n\ndata: [DONE]\n\n";
     let mut echoed = Vec::new();
     for (i, chunk) in sse.chunks(11).enumerate() {
         let last = (i + 1) * 11 >= sse.len();
-        let out = h
-            .on_message(ProcessingRequest {
-                request: Some(Request::ResponseBody(HttpBody {
-                    body: chunk.to_vec(),
-                    end_of_stream: last,
-                    ..Default::default()
-                })),
-                ..Default::default()
-            })
-            .unwrap();
+        let out = h.on_message(response_body(chunk, last)).unwrap();
         for m in out {
             let Some(Response::ResponseBody(b)) = m.response else {
                 panic!()
@@ -478,12 +499,7 @@ fn response_body_is_echoed_and_usage_counted() {
         text.contains("kv_epp_usage_tokens_total{model=\"m\",kind=\"completion\"} 9"),
         "{text}"
     );
-    let out = h
-        .on_message(ProcessingRequest {
-            request: Some(Request::ResponseTrailers(HttpTrailers::default())),
-            ..Default::default()
-        })
-        .unwrap();
+    let out = h.on_message(trailers(false)).unwrap();
     assert!(matches!(
         out[0].response,
         Some(Response::ResponseTrailers(_))
@@ -580,21 +596,9 @@ fn the_response_is_done_at_its_end_of_stream() {
     h.on_message(body(br#"{"model":"m","prompt":[1,2,3,4,5]}"#, true))
         .unwrap();
     assert!(!h.response_done());
-    h.on_message(ProcessingRequest {
-        request: Some(Request::ResponseHeaders(HttpHeaders::default())),
-        ..Default::default()
-    })
-    .unwrap();
+    h.on_message(response_headers(None, false, None)).unwrap();
     assert!(!h.response_done(), "a body follows");
-    h.on_message(ProcessingRequest {
-        request: Some(Request::ResponseBody(HttpBody {
-            body: b"{}".to_vec(),
-            end_of_stream: true,
-            ..Default::default()
-        })),
-        ..Default::default()
-    })
-    .unwrap();
+    h.on_message(response_body(b"{}", true)).unwrap();
     assert!(h.response_done());
 }
 

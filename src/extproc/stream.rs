@@ -282,7 +282,9 @@ impl StreamHandler {
         &mut self,
         msg: ProcessingRequest,
     ) -> Result<Vec<ProcessingResponse>, ProtocolError> {
-        if let Some(pc) = &msg.protocol_config {
+        // Envoy announces its body modes once, on a stream's first message; a later
+        // announcement would make answers leave the phase Envoy expects them in.
+        if let (Some(pc), State::AwaitHeaders) = (&msg.protocol_config, &self.state) {
             self.request_mode = BodyMode::from_proto(pc.request_body_mode);
             self.response_mode = BodyMode::from_proto(pc.response_body_mode);
             // envoy.extensions.filters.http.ext_proc.v3.ProcessingMode.BodySendMode.NONE

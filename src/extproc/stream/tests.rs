@@ -264,6 +264,37 @@ fn full_duplex_waits_for_the_body_then_routes_and_echoes_it() {
 }
 
 #[test]
+fn body_modes_are_taken_from_the_first_message_only() {
+    let r = router("");
+    let payload = br#"{"model":"m","prompt":[1,2,3,4,5,6,7,8]}"#;
+    let answer = |later_mode: Option<i32>| {
+        let mut h = r.handler();
+        let first = headers(&[(":path", "/v1/completions")], false, FULL_DUPLEX);
+        assert!(h.on_message(first).unwrap().is_empty());
+        let mut last = body(payload, true);
+        last.protocol_config = later_mode.map(|mode| ProtocolConfiguration {
+            request_body_mode: mode,
+            response_body_mode: mode,
+            ..Default::default()
+        });
+        h.on_message(last).unwrap()
+    };
+    let plain = answer(None);
+    let (dest, _, bytes, ends, _) = routing_of(&plain);
+    assert!(!dest.is_empty() && bytes == payload && ends == 1);
+    for mode in [BUFFERED, 0, 1, 99] {
+        let out = answer(Some(mode));
+        assert_eq!(out.len(), plain.len(), "mode {mode} announced late");
+        let (_, _, late_bytes, late_ends, _) = routing_of(&out);
+        assert!(
+            matches!(out[0].response, Some(Response::RequestHeaders(_))),
+            "still answered in the header phase, as FULL_DUPLEX wants (mode {mode})"
+        );
+        assert_eq!((late_bytes.as_slice(), late_ends), (&payload[..], 1));
+    }
+}
+
+#[test]
 fn buffered_answers_headers_at_once_and_routes_on_the_body() {
     let r = router("");
     let mut h = r.handler();

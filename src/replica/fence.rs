@@ -105,6 +105,8 @@ pub(crate) struct Fencing {
     inner: Mutex<Inner>,
     /// Peers' claims and batches refused for an epoch above [`MAX_EPOCH`].
     refused: Counter,
+    /// Whether such a refusal was logged (once: a peer that sends them sends them every probe).
+    logged: std::sync::atomic::AtomicBool,
 }
 
 impl Fencing {
@@ -113,6 +115,7 @@ impl Fencing {
             instance,
             inner: Mutex::new(Inner::default()),
             refused,
+            logged: Default::default(),
         }
     }
 
@@ -122,11 +125,13 @@ impl Fencing {
             return true;
         }
         self.refused.inc();
-        tracing::warn!(
-            epoch,
-            "a peer sent an ownership epoch no replica can reach; ignored \
-             (kv_epp_replica_epochs_refused_total)"
-        );
+        if !self.logged.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            tracing::warn!(
+                epoch,
+                "a peer sent an ownership epoch no replica can reach; ignored (logged once, \
+                 counted in kv_epp_replica_epochs_refused_total)"
+            );
+        }
         false
     }
 
@@ -484,10 +489,6 @@ mod tests {
         assert_eq!(o.claim(w()), 3);
     }
 
-    /// A drainer whose successor claimed without seeing it (the same epoch, a higher instance,
-    /// and no cut naming it) flags itself diverged, once: peers that learned the successor's
-    /// fence first refused its last batches. A successor that names it, or a fence below its
-    /// epoch, flags nothing here.
     #[test]
     fn an_epoch_no_replica_can_reach_is_refused_and_counted() {
         let refused = Counter::default();
@@ -513,6 +514,10 @@ mod tests {
         assert_eq!(refused.get(), 3);
     }
 
+    /// A drainer whose successor claimed without seeing it (the same epoch, a higher instance,
+    /// and no cut naming it) flags itself diverged, once: peers that learned the successor's
+    /// fence first refused its last batches. A successor that names it, or a fence below its
+    /// epoch, flags nothing here.
     #[test]
     fn a_successor_that_did_not_name_the_drainer_flags_it_diverged() {
         let (me, other) = (1u64, 2u64);

@@ -368,7 +368,7 @@ pub fn chain(parent: SequenceHash, local: LocalBlockHash) -> SequenceHash {
 /// folds the seed into constants and splits the work so that everything that depends only on
 /// the block's local hash ([`Chainer::new`]) is done off the critical path; what remains on it
 /// per block is one xor, one 64×64→128 multiply, its fold, one add and the avalanche (see
-/// [`Chainer::step`]). The value is XXH3's
+/// `Chainer::step`). The value is XXH3's
 /// for 9–16-byte inputs, bit for bit (checked against `xxh3_64_with_seed` in the tests).
 #[derive(Clone, Copy)]
 pub struct Chainer {

@@ -858,6 +858,9 @@ async fn subscribe(state: Arc<ReplicaState>, addr: SocketAddr, instance: u64) {
 }
 
 #[cfg(test)]
+mod untrusted;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use kv_epp_core::index::{IndexLimits, KvIndex};

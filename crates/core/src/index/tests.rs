@@ -1,6 +1,6 @@
 //! Index tests: examples, limits, isolation, and a property test against a naive model.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use proptest::prelude::*;
 
@@ -1429,5 +1429,145 @@ proptest! {
             prop_assert_eq!(default.pairs(), slots_only.pairs());
             prop_assert_eq!(eager.pairs(), slots_only.pairs());
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Restoring a peer's snapshot: its contents are untrusted.
+
+#[derive(Clone, Debug)]
+enum SnapOp {
+    /// A snapshot chunk for `worker` (3: never registered): its seed list and its blocks
+    /// (engine hash, prefix hash, namespace position + 1, tiers).
+    Restore {
+        worker: u8,
+        seeds: Vec<u64>,
+        run: Vec<(u64, u64, u32, u8)>,
+    },
+    /// A failed fetch is undone, and a header restarts a worker: both clear it.
+    Clear { worker: u8 },
+}
+
+fn snap_op() -> impl Strategy<Value = SnapOp> {
+    let pool = |n: u64| prop_oneof![6 => 0..n, 1 => any::<u64>()];
+    let block = (
+        pool(6),
+        pool(5),
+        prop_oneof![6 => 0u32..5, 1 => any::<u32>()],
+        any::<u8>(),
+    );
+    prop_oneof![
+        8 => (0u8..4, prop::collection::vec(pool(3), 0..3), prop::collection::vec(block, 0..6))
+            .prop_map(|(worker, seeds, run)| SnapOp::Restore { worker, seeds, run }),
+        1 => (0u8..4).prop_map(|worker| SnapOp::Clear { worker }),
+    ]
+}
+
+/// A restored block as the index reports it: prefix hash and seed when its namespace is known.
+type RestoredBlock = (Option<(SequenceHash, HashSeed)>, u8);
+
+fn run_snap_ops(ops: Vec<SnapOp>) -> Result<(), TestCaseError> {
+    let limits = IndexLimits {
+        capacity: 4,
+        max_blocks_per_worker: 100,
+    };
+    let idx = KvIndex::new(BS, limits);
+    for i in 0..3 {
+        idx.add_worker(w(i));
+    }
+    let mut model: BTreeMap<(WorkerId, EngineBlockHash), RestoredBlock> = BTreeMap::new();
+    let pairs = |m: &BTreeMap<(WorkerId, EngineBlockHash), RestoredBlock>| {
+        m.iter()
+            .filter_map(|((w, _), (known, _))| Some((*w, known.as_ref()?.0)))
+            .collect::<BTreeSet<_>>()
+    };
+    for op in ops {
+        match op {
+            SnapOp::Restore { worker, seeds, run } => {
+                let id = w(worker);
+                let seeds: Vec<HashSeed> = seeds.into_iter().map(HashSeed).collect();
+                let run: Vec<ExportedBlock> = run
+                    .into_iter()
+                    .map(|(engine, seq, ns, tiers)| ExportedBlock {
+                        engine: EngineBlockHash(engine),
+                        seq: SequenceHash(seq),
+                        ns,
+                        tiers,
+                    })
+                    .collect();
+                let got = idx.restore_blocks(&id, &seeds, &run);
+                if worker == 3 {
+                    prop_assert_eq!(got, Err(IndexError::UnknownWorker(id)));
+                    continue;
+                }
+                // The rules: no tier or a block already held is skipped; an unknown namespace
+                // is kept uncredited; a seed outside the list is refused; at capacity, refused.
+                let mut restored = 0;
+                for b in &run {
+                    let tiers = b.tiers & 0b11;
+                    if tiers == 0 || model.contains_key(&(id, b.engine)) {
+                        continue;
+                    }
+                    let known = match b.ns {
+                        0 => None,
+                        ns => match seeds.get(ns as usize - 1) {
+                            None => continue,
+                            Some(_) if pairs(&model).len() >= limits.capacity => continue,
+                            Some(&seed) => Some((b.seq, seed)),
+                        },
+                    };
+                    model.insert((id, b.engine), (known, tiers));
+                    restored += 1;
+                }
+                prop_assert_eq!(got, Ok(restored));
+            }
+            SnapOp::Clear { worker } => {
+                let id = w(worker);
+                let before = model.keys().filter(|(w, _)| *w == id).count();
+                model.retain(|(w, _), _| *w != id);
+                let got = idx.clear_worker(&id);
+                if worker == 3 {
+                    prop_assert!(got.is_err());
+                } else {
+                    prop_assert_eq!(got, Ok(before));
+                }
+            }
+        }
+        let mut held = BTreeMap::new();
+        idx.for_each_block(|w, h, seq, seed, tiers| {
+            held.insert((*w, h), (seq.zip(seed), tiers));
+        });
+        prop_assert_eq!(&held, &model);
+        let pairs = pairs(&model);
+        prop_assert_eq!(idx.pairs(), pairs.len());
+        // A query of each restored prefix credits exactly the workers restored with it, in
+        // device memory when one of its blocks there is.
+        for seq in pairs.iter().map(|(_, s)| *s).collect::<BTreeSet<_>>() {
+            let mut want: Vec<(WorkerId, u32, u32)> = pairs
+                .iter()
+                .filter(|(_, s)| *s == seq)
+                .map(|(w, _)| {
+                    let device = model.iter().any(|((x, _), (k, t))| {
+                        x == w && k.is_some_and(|(s, _)| s == seq) && t & 1 != 0
+                    });
+                    (*w, u32::from(device), 1)
+                })
+                .collect();
+            want.sort();
+            prop_assert_eq!(sorted(idx.query(&[seq])), want);
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(seeded(256, 0x736e_6170))]
+    /// Any snapshot chunks a peer sends (any seeds, prefix hashes, namespace positions and
+    /// tiers, for registered workers or not, interleaved with clears) restore by the documented
+    /// rules and leave the index consistent: its pair count and every query's answer follow the
+    /// blocks it holds.
+    #[test]
+    fn any_snapshot_chunks_restore_by_the_rules(ops in prop::collection::vec(snap_op(), 1..30)) {
+        run_snap_ops(ops)?;
     }
 }

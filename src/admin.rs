@@ -504,7 +504,9 @@ async fn replica(State(s): State<AdminState>) -> Response {
             "relay_unplaced": h.unplaced.get(),
             "relay_caught_up": h.caught_up.get(),
             "relay_fenced": h.fenced.get(),
+            "relay_foreign": h.foreign.get(),
             "refused_by_peers": r.metrics.replica_refused_by_peers.get(),
+            "epochs_refused": r.metrics.replica_epochs_refused.get(),
         },
     }))
     .into_response()

@@ -49,7 +49,7 @@ pub struct Metrics {
     /// Peers answering probes, by state (`ready`, `starting`).
     pub replica_peers: Family<Labels, Gauge>,
     /// Relayed batches by kind (`originated`, `applied`, `duplicate`, `reset`, `caught_up`,
-    /// `unplaced`).
+    /// `unplaced`, `fenced`, `foreign`).
     pub replica_relay_batches: Family<Labels, Counter>,
     /// Index snapshots served to peers.
     pub replica_snapshots_served: Counter,

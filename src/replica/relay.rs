@@ -63,6 +63,9 @@ pub struct RelayCounters {
     pub caught_up: Counter,
     /// Relayed (or own) batches refused: drained under a superseded ownership epoch.
     pub fenced: Counter,
+    /// Batches a peer streamed under another origin than its own (its stream carries only its
+    /// own log), dropped.
+    pub foreign: Counter,
 }
 
 impl RelayCounters {
@@ -80,6 +83,7 @@ impl RelayCounters {
             unplaced: kind("unplaced"),
             caught_up: kind("caught_up"),
             fenced: kind("fenced"),
+            foreign: kind("foreign"),
         }
     }
 }
@@ -332,7 +336,9 @@ impl RelayHub {
         let mut st = self.state.lock();
         let pos = st.positions.get(&b.origin).copied();
         let in_order = match pos {
-            Some(p) if b.seq < p => {
+            // A position at the end of the range (only a hostile peer gets there) admits
+            // nothing more: a batch at `u64::MAX` would otherwise match it again and again.
+            Some(p) if b.seq < p || p == u64::MAX => {
                 drop(st);
                 self.counters.duplicates.inc();
                 return Applied::Duplicate;
@@ -851,6 +857,13 @@ async fn subscribe(state: Arc<ReplicaState>, addr: SocketAddr, instance: u64) {
             _ => return,
         };
         if msg.keepalive {
+            continue;
+        }
+        if msg.origin != instance {
+            // Its stream is its own log: a batch naming another origin (this replica's own
+            // included) could make it apply what it never relayed, or flag its own drains.
+            state.hub.counters.foreign.inc();
+            tracing::debug!(peer = %addr, "relayed batch naming another origin dropped");
             continue;
         }
         state.hub.apply_relayed(&msg, &polled(&state));

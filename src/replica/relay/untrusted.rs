@@ -331,7 +331,8 @@ impl Model {
     fn apply(&mut self, b: &pb::RelayBatch) -> Applied {
         self.seen.insert(b.origin);
         let pos = self.positions.get(&b.origin).copied();
-        if pos.is_some_and(|p| b.seq < p) {
+        // A position at the end of the range admits nothing more.
+        if pos.is_some_and(|p| b.seq < p || p == u64::MAX) {
             self.counts.duplicates += 1;
             return Applied::Duplicate;
         }

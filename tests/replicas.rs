@@ -514,3 +514,133 @@ async fn single_reader_sources_are_polled_once_relayed_once_and_fail_over() {
     assert_eq!(blocks, before + added);
     drop(dead);
 }
+
+/// A peer that answers `Hello` as a ready replica under `instance`, serves an empty snapshot, and
+/// streams `batches` to every relay subscriber, then holds the stream open: a misbehaving peer,
+/// speaking the real peer API.
+#[derive(Clone)]
+struct FakePeer {
+    instance: u64,
+    batches: Vec<kv_epp::replica::pb::RelayBatch>,
+}
+
+type PeerStream<T> =
+    std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<T, tonic::Status>> + Send>>;
+
+#[tonic::async_trait]
+impl kv_epp::replica::pb::replica_server::Replica for FakePeer {
+    async fn hello(
+        &self,
+        _: tonic::Request<kv_epp::replica::pb::HelloRequest>,
+    ) -> Result<tonic::Response<kv_epp::replica::pb::HelloReply>, tonic::Status> {
+        Ok(tonic::Response::new(kv_epp::replica::pb::HelloReply {
+            instance: self.instance,
+            ready: true,
+            version: "fake".into(),
+            relay_next: 1,
+            ..Default::default()
+        }))
+    }
+
+    type SnapshotStream = PeerStream<kv_epp::replica::pb::SnapshotChunk>;
+
+    async fn snapshot(
+        &self,
+        _: tonic::Request<kv_epp::replica::pb::SnapshotRequest>,
+    ) -> Result<tonic::Response<Self::SnapshotStream>, tonic::Status> {
+        use kv_epp::replica::pb::{SnapshotChunk, SnapshotEnd, snapshot_chunk::Item};
+        let end = SnapshotChunk {
+            item: Some(Item::End(SnapshotEnd::default())),
+        };
+        Ok(tonic::Response::new(Box::pin(futures_util::stream::iter(
+            [Ok(end)],
+        ))))
+    }
+
+    type RelayStream = PeerStream<kv_epp::replica::pb::RelayBatch>;
+
+    async fn relay(
+        &self,
+        _: tonic::Request<kv_epp::replica::pb::RelayRequest>,
+    ) -> Result<tonic::Response<Self::RelayStream>, tonic::Status> {
+        use futures_util::StreamExt;
+        let batches = futures_util::stream::iter(self.batches.clone().into_iter().map(Ok));
+        Ok(tonic::Response::new(Box::pin(
+            batches.chain(futures_util::stream::pending()),
+        )))
+    }
+}
+
+/// A peer's relay stream carries its own log only: a batch it streams under another origin (a
+/// replica it made up, or the receiver itself) is dropped and counted, and its blocks are never
+/// credited; the batch under its own origin is applied as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_streaming_batches_of_another_origin_is_not_believed() {
+    use kv_epp::replica::pb;
+    use kv_epp_core::hashing::HashSeed;
+    let worker: SocketAddr = format!("127.0.0.1:{}", common::free_port())
+        .parse()
+        .unwrap();
+    let stored = |origin: u64, first_hash: u64, tokens: &[u32]| pb::RelayBatch {
+        origin,
+        seq: 0,
+        model: "m".into(),
+        endpoint: worker.to_string(),
+        events: vec![pb::RelayEvent {
+            kind: Some(pb::relay_event::Kind::Stored(pb::StoredEvent {
+                parent: None,
+                root_seed: Some(HashSeed::new(None, None).0),
+                engine_hashes: (first_hash..).take(tokens.len() / BS).collect(),
+                tokens: tokens.to_vec(),
+                offload: false,
+            })),
+        }],
+        ..Default::default()
+    };
+    let own: Vec<u32> = (0..4 * BS as u32).collect();
+    let made_up: Vec<u32> = (1000..1000 + 4 * BS as u32).collect();
+    let peer_instance = 0x0fee_d0fe_ed00_0001;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let peer_port = listener.local_addr().unwrap().port();
+    let fake = FakePeer {
+        instance: peer_instance,
+        batches: vec![
+            stored(0x0bad_0bad_0bad_0bad, 100, &made_up),
+            stored(peer_instance, 200, &own),
+        ],
+    };
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(pb::replica_server::ReplicaServer::new(fake))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let p = ports();
+    let body = format!("workers: [{{endpoint: '{worker}', model: m}}]\n");
+    let r = Replica::spawn("lied-to", &p, &body, &[peer_port]);
+    r.wait_ready(30).await;
+    // The peer's own batch comes second on its stream: once it is applied, both were read.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while r.counter("relay_applied").await == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the fake peer's own batch was not applied in 60 s:\n{}",
+            r.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let credited = |tokens: Vec<u32>| {
+        let admin = r.admin;
+        async move { common::sim::believed(admin, worker, &tokens, None).await }
+    };
+    assert_eq!(
+        credited(own.clone()).await,
+        own.len() as u64,
+        "the peer's own batch is applied"
+    );
+    assert_eq!(
+        credited(made_up.clone()).await,
+        0,
+        "a batch under a made-up origin is not"
+    );
+    assert!(r.counter("relay_foreign").await >= 1, "and it is counted");
+}

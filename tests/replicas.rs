@@ -521,6 +521,8 @@ async fn single_reader_sources_are_polled_once_relayed_once_and_fail_over() {
 #[derive(Clone)]
 struct FakePeer {
     instance: u64,
+    /// Shown in every `Hello`.
+    claims: Vec<kv_epp::replica::pb::Claim>,
     batches: Vec<kv_epp::replica::pb::RelayBatch>,
 }
 
@@ -537,7 +539,8 @@ impl kv_epp::replica::pb::replica_server::Replica for FakePeer {
             instance: self.instance,
             ready: true,
             version: "fake".into(),
-            relay_next: 1,
+            relay_next: self.batches.len() as u64,
+            claims: self.claims.clone(),
             ..Default::default()
         }))
     }
@@ -571,19 +574,38 @@ impl kv_epp::replica::pb::replica_server::Replica for FakePeer {
     }
 }
 
-/// A peer's relay stream carries its own log only: a batch it streams under another origin (a
-/// replica it made up, or the receiver itself) is dropped and counted, and its blocks are never
-/// credited; the batch under its own origin is applied as usual.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_peer_streaming_batches_of_another_origin_is_not_believed() {
+impl FakePeer {
+    /// Serves on a free loopback port; returns the port.
+    async fn start(self) -> u16 {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(kv_epp::replica::pb::replica_server::ReplicaServer::new(
+                    self,
+                ))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        port
+    }
+}
+
+/// A relayed batch of `origin` at `seq` under `epoch`: `tokens` stored on `worker` as a new
+/// unsalted sequence, engine hashes counting up from `first_hash`.
+fn relayed_store(
+    worker: SocketAddr,
+    origin: u64,
+    seq: u64,
+    epoch: u64,
+    first_hash: u64,
+    tokens: &[u32],
+) -> kv_epp::replica::pb::RelayBatch {
     use kv_epp::replica::pb;
     use kv_epp_core::hashing::HashSeed;
-    let worker: SocketAddr = format!("127.0.0.1:{}", common::free_port())
-        .parse()
-        .unwrap();
-    let stored = |origin: u64, first_hash: u64, tokens: &[u32]| pb::RelayBatch {
+    pb::RelayBatch {
         origin,
-        seq: 0,
+        seq,
+        epoch,
         model: "m".into(),
         endpoint: worker.to_string(),
         events: vec![pb::RelayEvent {
@@ -596,24 +618,30 @@ async fn a_peer_streaming_batches_of_another_origin_is_not_believed() {
             })),
         }],
         ..Default::default()
-    };
+    }
+}
+
+/// A peer's relay stream carries its own log only: a batch it streams under another origin (a
+/// replica it made up, or the receiver itself) is dropped and counted, and its blocks are never
+/// credited; the batch under its own origin is applied as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_streaming_batches_of_another_origin_is_not_believed() {
+    let worker: SocketAddr = format!("127.0.0.1:{}", common::free_port())
+        .parse()
+        .unwrap();
     let own: Vec<u32> = (0..4 * BS as u32).collect();
     let made_up: Vec<u32> = (1000..1000 + 4 * BS as u32).collect();
     let peer_instance = 0x0fee_d0fe_ed00_0001;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let peer_port = listener.local_addr().unwrap().port();
-    let fake = FakePeer {
+    let peer_port = FakePeer {
         instance: peer_instance,
+        claims: Vec::new(),
         batches: vec![
-            stored(0x0bad_0bad_0bad_0bad, 100, &made_up),
-            stored(peer_instance, 200, &own),
+            relayed_store(worker, 0x0bad_0bad_0bad_0bad, 0, 0, 100, &made_up),
+            relayed_store(worker, peer_instance, 0, 0, 200, &own),
         ],
-    };
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(pb::replica_server::ReplicaServer::new(fake))
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-    );
+    }
+    .start()
+    .await;
     let p = ports();
     let body = format!("workers: [{{endpoint: '{worker}', model: m}}]\n");
     let r = Replica::spawn("lied-to", &p, &body, &[peer_port]);
@@ -643,4 +671,68 @@ async fn a_peer_streaming_batches_of_another_origin_is_not_believed() {
         "a batch under a made-up origin is not"
     );
     assert!(r.counter("relay_foreign").await >= 1, "and it is counted");
+}
+
+/// Ownership epochs no replica can reach, from a peer: its claims in every `Hello` and a relayed
+/// batch under such an epoch are refused and counted, the batch's blocks never credited, and the
+/// replica goes on answering and applying the peer's next batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ownership_epochs_no_replica_can_reach_are_refused() {
+    use kv_epp::replica::pb;
+    let worker: SocketAddr = format!("127.0.0.1:{}", common::free_port())
+        .parse()
+        .unwrap();
+    let wild: Vec<u32> = (0..4 * BS as u32).collect();
+    let fine: Vec<u32> = (500..500 + 4 * BS as u32).collect();
+    let peer_instance = 0x0fee_d0fe_ed00_0002;
+    let peer_port = FakePeer {
+        instance: peer_instance,
+        claims: vec![pb::Claim {
+            worker: worker.to_string(),
+            epoch: u64::MAX,
+            active: true,
+            ..Default::default()
+        }],
+        batches: vec![
+            relayed_store(worker, peer_instance, 0, u64::MAX, 100, &wild),
+            relayed_store(worker, peer_instance, 1, 0, 200, &fine),
+        ],
+    }
+    .start()
+    .await;
+    let p = ports();
+    let body = format!("workers: [{{endpoint: '{worker}', model: m}}]\n");
+    let r = Replica::spawn("wild-epochs", &p, &body, &[peer_port]);
+    r.wait_ready(30).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    // The wild batch comes first on the stream: once the next is applied, both were read (the
+    // refused one is not counted as applied).
+    while r.counter("relay_applied").await == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the fake peer's batches were not read in 60 s:\n{}",
+            r.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let credited = |tokens: Vec<u32>| {
+        let admin = r.admin;
+        async move { common::sim::believed(admin, worker, &tokens, None).await }
+    };
+    assert_eq!(credited(fine.clone()).await, fine.len() as u64);
+    assert_eq!(
+        credited(wild.clone()).await,
+        0,
+        "a batch under an unreachable epoch is not applied"
+    );
+    // The claim, in every `Hello`, and the batch.
+    while r.counter("epochs_refused").await < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the unreachable epochs were not counted in 60 s:\n{}",
+            r.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(r.counter("relay_applied").await, 1);
 }

@@ -588,6 +588,37 @@ impl FakePeer {
         );
         port
     }
+
+    /// Serves, and starts a replica named `name` running `worker` with this peer as its only
+    /// peer; returns once the replica has applied a batch of the peer's stream. The last batch
+    /// the tests stream is a normal one, so by then every batch before it was read.
+    async fn feed_replica(self, name: &str, worker: SocketAddr) -> Replica {
+        let peer_port = self.start().await;
+        let p = ports();
+        let body = format!("workers: [{{endpoint: '{worker}', model: m}}]\n");
+        let r = Replica::spawn(name, &p, &body, &[peer_port]);
+        r.wait_ready(30).await;
+        wait_counter(&r, "relay_applied", 1).await;
+        r
+    }
+}
+
+/// Waits (60 s at most) until `/debug/replica`'s counter `name` reaches `at_least`.
+async fn wait_counter(r: &Replica, name: &str, at_least: u64) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while r.counter(name).await < at_least {
+        assert!(
+            Instant::now() < deadline,
+            "{name} did not reach {at_least} in 60 s:\n{}",
+            r.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Tokens of `tokens` the replica credits to `worker` for an unsalted prompt.
+async fn credited(r: &Replica, worker: SocketAddr, tokens: &[u32]) -> u64 {
+    common::sim::believed(r.admin, worker, tokens, None).await
 }
 
 /// A relayed batch of `origin` at `seq` under `epoch`: `tokens` stored on `worker` as a new
@@ -632,7 +663,7 @@ async fn a_peer_streaming_batches_of_another_origin_is_not_believed() {
     let own: Vec<u32> = (0..4 * BS as u32).collect();
     let made_up: Vec<u32> = (1000..1000 + 4 * BS as u32).collect();
     let peer_instance = 0x0fee_d0fe_ed00_0001;
-    let peer_port = FakePeer {
+    let r = FakePeer {
         instance: peer_instance,
         claims: Vec::new(),
         batches: vec![
@@ -640,33 +671,15 @@ async fn a_peer_streaming_batches_of_another_origin_is_not_believed() {
             relayed_store(worker, peer_instance, 0, 0, 200, &own),
         ],
     }
-    .start()
+    .feed_replica("lied-to", worker)
     .await;
-    let p = ports();
-    let body = format!("workers: [{{endpoint: '{worker}', model: m}}]\n");
-    let r = Replica::spawn("lied-to", &p, &body, &[peer_port]);
-    r.wait_ready(30).await;
-    // The peer's own batch comes second on its stream: once it is applied, both were read.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while r.counter("relay_applied").await == 0 {
-        assert!(
-            Instant::now() < deadline,
-            "the fake peer's own batch was not applied in 60 s:\n{}",
-            r.log_tail()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let credited = |tokens: Vec<u32>| {
-        let admin = r.admin;
-        async move { common::sim::believed(admin, worker, &tokens, None).await }
-    };
     assert_eq!(
-        credited(own.clone()).await,
+        credited(&r, worker, &own).await,
         own.len() as u64,
         "the peer's own batch is applied"
     );
     assert_eq!(
-        credited(made_up.clone()).await,
+        credited(&r, worker, &made_up).await,
         0,
         "a batch under a made-up origin is not"
     );
@@ -685,7 +698,7 @@ async fn ownership_epochs_no_replica_can_reach_are_refused() {
     let wild: Vec<u32> = (0..4 * BS as u32).collect();
     let fine: Vec<u32> = (500..500 + 4 * BS as u32).collect();
     let peer_instance = 0x0fee_d0fe_ed00_0002;
-    let peer_port = FakePeer {
+    let r = FakePeer {
         instance: peer_instance,
         claims: vec![pb::Claim {
             worker: worker.to_string(),
@@ -698,41 +711,15 @@ async fn ownership_epochs_no_replica_can_reach_are_refused() {
             relayed_store(worker, peer_instance, 1, 0, 200, &fine),
         ],
     }
-    .start()
+    .feed_replica("wild-epochs", worker)
     .await;
-    let p = ports();
-    let body = format!("workers: [{{endpoint: '{worker}', model: m}}]\n");
-    let r = Replica::spawn("wild-epochs", &p, &body, &[peer_port]);
-    r.wait_ready(30).await;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    // The wild batch comes first on the stream: once the next is applied, both were read (the
-    // refused one is not counted as applied).
-    while r.counter("relay_applied").await == 0 {
-        assert!(
-            Instant::now() < deadline,
-            "the fake peer's batches were not read in 60 s:\n{}",
-            r.log_tail()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let credited = |tokens: Vec<u32>| {
-        let admin = r.admin;
-        async move { common::sim::believed(admin, worker, &tokens, None).await }
-    };
-    assert_eq!(credited(fine.clone()).await, fine.len() as u64);
+    assert_eq!(credited(&r, worker, &fine).await, fine.len() as u64);
     assert_eq!(
-        credited(wild.clone()).await,
+        credited(&r, worker, &wild).await,
         0,
         "a batch under an unreachable epoch is not applied"
     );
-    // The claim, in every `Hello`, and the batch.
-    while r.counter("epochs_refused").await < 2 {
-        assert!(
-            Instant::now() < deadline,
-            "the unreachable epochs were not counted in 60 s:\n{}",
-            r.log_tail()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    // The claim, in every `Hello`, and the batch; the refused batch is not counted as applied.
+    wait_counter(&r, "epochs_refused", 2).await;
     assert_eq!(r.counter("relay_applied").await, 1);
 }

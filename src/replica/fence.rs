@@ -74,6 +74,17 @@ pub(crate) struct Fence {
     pub prev: Option<(u64, u64)>,
 }
 
+/// Why a batch may or may not be applied ([`Fencing::judge_batch`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// Apply it.
+    Accepted,
+    /// Drained under a superseded ownership epoch, beyond its successor's cut or after its clear.
+    Superseded,
+    /// Its epoch is beyond any a replica can reach (counted in the fencing's own counter).
+    OutOfRange,
+}
+
 /// What a drain is stamped with: the epoch it was admitted under and the previous owner's cut.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Ticket {
@@ -120,7 +131,7 @@ impl Fencing {
     }
 
     /// Whether `epoch`, from a peer, is one a replica can reach; counts it when not.
-    pub(crate) fn in_range(&self, epoch: u64) -> bool {
+    fn in_range(&self, epoch: u64) -> bool {
         if epoch <= MAX_EPOCH {
             return true;
         }
@@ -379,19 +390,35 @@ impl Fencing {
     /// passes only if it comes before the cut its successor declared, and that successor has not
     /// cleared the source since. A batch above [`MAX_EPOCH`] is refused (and counted).
     pub(crate) fn accept_batch(&self, w: WorkerId, origin: u64, seq: u64, ticket: Ticket) -> bool {
+        self.judge_batch(w, origin, seq, ticket) == Verdict::Accepted
+    }
+
+    /// [`Fencing::accept_batch`], saying why a batch is refused.
+    pub(crate) fn judge_batch(
+        &self,
+        w: WorkerId,
+        origin: u64,
+        seq: u64,
+        ticket: Ticket,
+    ) -> Verdict {
         if ticket.epoch == 0 {
-            return true;
+            return Verdict::Accepted;
         }
         if !self.in_range(ticket.epoch) {
-            return false;
+            return Verdict::OutOfRange;
         }
         let mut st = self.inner.lock();
         let seen = st.seen.entry(w).or_insert(0);
         *seen = (*seen).max(ticket.epoch);
         match st.fences.get(&w).copied() {
             Some(f) if (ticket.epoch, origin) < (f.epoch, f.owner) => {
-                matches!(f.prev, Some((o, cut)) if o == origin && seq < cut)
-                    && st.cleared.get(&w) != Some(&(f.epoch, f.owner))
+                let before_cut = matches!(f.prev, Some((o, cut)) if o == origin && seq < cut)
+                    && st.cleared.get(&w) != Some(&(f.epoch, f.owner));
+                if before_cut {
+                    Verdict::Accepted
+                } else {
+                    Verdict::Superseded
+                }
             }
             _ => {
                 if origin == self.instance {
@@ -406,7 +433,7 @@ impl Fencing {
                         prev: ticket.prev,
                     },
                 );
-                true
+                Verdict::Accepted
             }
         }
     }

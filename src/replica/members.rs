@@ -332,12 +332,15 @@ pub(crate) async fn probe_loop(state: Arc<ReplicaState>) {
             let name = w.to_string();
             // Any peer's claim, whatever its rank: a peer that claims while we drain does not
             // see our claim and starts after its handoff, so our lease must run out before.
-            let outranked = view
+            let peer_claims = view
                 .iter()
                 .any(|p| p.claims.iter().any(|pc| pc.worker == name));
             // With a drain Lease, only its confirmed renewals extend the claims (`lease.rs`).
             let probes_decide = state.lease().is_none();
-            if probes_decide && c.active && !outranked && state.owner_of(&w) == Some(state.instance)
+            if probes_decide
+                && c.active
+                && !peer_claims
+                && state.owner_of(&w) == Some(state.instance)
             {
                 state.hub.fencing.renew(&w, until);
             }

@@ -34,7 +34,7 @@ use prost::Message;
 use tokio::sync::watch;
 
 use super::ReplicaState;
-use super::fence::{Fencing, Ticket};
+use super::fence::{Fencing, Ticket, Verdict};
 use super::members::authed;
 use super::pb;
 use crate::events::trtllm::EventSink;
@@ -367,20 +367,21 @@ impl RelayHub {
         };
         st.positions.insert(b.origin, b.seq.saturating_add(1));
         let placed = self.place(b);
-        if placed.is_some() && !self.fencing.in_range(b.epoch) {
-            // Not fenced by a claim: an epoch no replica can reach (counted by the fencing).
-            return outcome;
-        }
         if let Some((worker, _)) = &placed {
             let ticket = Ticket {
                 epoch: b.epoch,
                 prev: (b.prev_origin != 0).then_some((b.prev_origin, b.prev_seq)),
             };
-            if !self.fencing.accept_batch(*worker, b.origin, b.seq, ticket) {
-                drop(st);
-                self.counters.fenced.inc();
-                tracing::debug!(%worker, epoch = b.epoch, "relayed batch of a superseded ownership epoch refused");
-                return outcome;
+            match self.fencing.judge_batch(*worker, b.origin, b.seq, ticket) {
+                Verdict::Accepted => {}
+                Verdict::Superseded => {
+                    drop(st);
+                    self.counters.fenced.inc();
+                    tracing::debug!(%worker, epoch = b.epoch, "relayed batch of a superseded ownership epoch refused");
+                    return outcome;
+                }
+                // Counted (and logged once) by the fencing.
+                Verdict::OutOfRange => return outcome,
             }
         }
         match placed {

@@ -25,6 +25,7 @@ tools:
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --document-private-items
 
 unit:
 	KV_EPP_VENV=$(CURDIR)/.venv $(CARGO) test --workspace --all-targets

@@ -590,7 +590,7 @@ impl Booked {
 
 /// Tries to decide and book for `request` without consuming it: the queued request's path.
 /// `hold` sees the affinity gap (how many more prompt blocks a saturated candidate holds than
-/// the pick, see [`affinity_gap`](kv_epp_core::scoring::affinity_gap)) and answers whether to
+/// the pick, see [`kv_epp_core::scoring::affinity_gap`]) and answers whether to
 /// wait for that worker instead; waiting is answered [`Reject::Saturated`] and books nothing.
 pub fn try_book(
     picker: &Picker,

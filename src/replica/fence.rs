@@ -166,8 +166,9 @@ impl Fencing {
         self.claim_above(w, 0)
     }
 
-    /// As [`Fencing::claim`], and above `floor` (a drain Lease's transitions: a new holder's
-    /// claims outrank the previous holder's even when neither saw the other's).
+    /// Claims `w` (pending) one above every epoch seen for it and above `floor` (a drain
+    /// Lease's transitions: a new holder's claims outrank the previous holder's even when
+    /// neither saw the other's); an existing claim is kept.
     pub(crate) fn claim_above(&self, w: WorkerId, floor: u64) -> u64 {
         let mut st = self.inner.lock();
         if let Some(c) = st.claims.get(&w) {

@@ -723,3 +723,54 @@ async fn ownership_epochs_no_replica_can_reach_are_refused() {
     wait_counter(&r, "epochs_refused", 2).await;
     assert_eq!(r.counter("relay_applied").await, 1);
 }
+
+/// A peer's claims on workers this replica does not drain (here, made up) are not taken in, so
+/// they are not passed on in its own `Hello` either: a peer cannot grow every replica's state,
+/// and every `Hello` they exchange, with workers. Their epochs are still checked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_on_workers_a_replica_does_not_drain_are_not_passed_on() {
+    use kv_epp::replica::pb;
+    let worker: SocketAddr = format!("127.0.0.1:{}", common::free_port())
+        .parse()
+        .unwrap();
+    let tokens: Vec<u32> = (0..4 * BS as u32).collect();
+    let peer_instance = 0x0fee_d0fe_ed00_0003;
+    let made_up = |i: u32, epoch: u64| pb::Claim {
+        worker: format!("10.99.0.{i}:8000"),
+        epoch,
+        active: true,
+        ..Default::default()
+    };
+    let r = FakePeer {
+        instance: peer_instance,
+        claims: (1..=50)
+            .map(|i| made_up(i, 7))
+            .chain([made_up(200, u64::MAX)])
+            .collect(),
+        batches: vec![relayed_store(worker, peer_instance, 0, 0, 100, &tokens)],
+    }
+    .feed_replica("made-up-claims", worker)
+    .await;
+    // The unreachable epoch is counted once per `Hello` read: three rounds of the peer's claims.
+    wait_counter(&r, "epochs_refused", 3).await;
+    let mut client = pb::replica_client::ReplicaClient::connect(format!("http://{}", r.peer))
+        .await
+        .unwrap();
+    let mut req = tonic::Request::new(pb::HelloRequest {});
+    req.metadata_mut()
+        .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
+    let hello = client.hello(req).await.unwrap().into_inner();
+    let passed_on: Vec<&str> = hello
+        .fences
+        .iter()
+        .chain(&hello.claims)
+        .map(|c| c.worker.as_str())
+        .filter(|w| w.starts_with("10.99."))
+        .collect();
+    assert!(
+        passed_on.is_empty(),
+        "the replica passes on the peer's claims on {} made-up workers",
+        passed_on.len()
+    );
+    assert_eq!(credited(&r, worker, &tokens).await, tokens.len() as u64);
+}

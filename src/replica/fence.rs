@@ -108,16 +108,7 @@ struct Inner {
     cleared: HashMap<WorkerId, (u64, u64)>,
     /// The epoch of our latest own batch per source, until a successor's fence outranks it.
     drained: HashMap<WorkerId, u64>,
-    /// Since when each worker the maps above name has not been a source here
-    /// ([`Fencing::forget_absent`]).
-    absent_since: HashMap<WorkerId, Instant>,
 }
-
-/// How long a worker must have been gone from this replica's sources before its fencing state
-/// is forgotten: far beyond every timing of the protocol (leases of 2.5 probe intervals,
-/// handoffs of 3, catch-up passes), so no claim, drain or batch of it can still be in flight,
-/// and beyond a pod's readiness flapping in and out of the pool.
-pub(crate) const FORGET_DEPARTED: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// Claims, leases and fences of one replica.
 pub(crate) struct Fencing {
@@ -366,68 +357,8 @@ impl Fencing {
         })
     }
 
-    /// Forgets everything about the workers that have not been among `sources` (this replica's
-    /// single-reader sources now) for `after` ([`FORGET_DEPARTED`] in service), and returns
-    /// them: their epochs, fences, cuts, clears and divergence. Without this, every
-    /// TensorRT-LLM pod that ever came and went would stay in these maps and in every `Hello`,
-    /// passed from replica to replica for as long as one of them runs. Called once per drain
-    /// round; a worker back in the pool before then starts its absence afresh next time.
-    pub(crate) fn forget_absent(
-        &self,
-        sources: &std::collections::HashSet<WorkerId>,
-        now: Instant,
-        after: std::time::Duration,
-    ) -> Vec<WorkerId> {
-        let mut st = self.inner.lock();
-        let Inner {
-            claims,
-            seen,
-            fences,
-            diverged,
-            flagged_cuts,
-            cleared,
-            drained,
-            absent_since,
-        } = &mut *st;
-        let named: std::collections::HashSet<WorkerId> = claims
-            .keys()
-            .chain(seen.keys())
-            .chain(fences.keys())
-            .chain(diverged.iter())
-            .chain(flagged_cuts.keys())
-            .chain(cleared.keys())
-            .chain(drained.keys())
-            .copied()
-            .collect();
-        absent_since.retain(|w, _| named.contains(w) && !sources.contains(w));
-        for w in named.iter().filter(|w| !sources.contains(*w)) {
-            absent_since.entry(*w).or_insert(now);
-        }
-        let gone: Vec<WorkerId> = absent_since
-            .iter()
-            .filter(|(_, since)| now.saturating_duration_since(**since) >= after)
-            .map(|(w, _)| *w)
-            .collect();
-        for w in &gone {
-            claims.remove(w);
-            seen.remove(w);
-            fences.remove(w);
-            diverged.remove(w);
-            flagged_cuts.remove(w);
-            cleared.remove(w);
-            drained.remove(w);
-            absent_since.remove(w);
-        }
-        gone
-    }
-
     /// Notes a peer's claim (from its `Hello`): its epoch is seen, and an active one raises the
-    /// fence. A claim above [`MAX_EPOCH`] is ignored (and counted). So is a claim on a worker
-    /// that is not a `source` here: only a replica that can drain a worker, or apply its
-    /// batches, needs its epochs (one whose pool gains the worker later learns them from the
-    /// next `Hello`, within the handoff that delays any claim of its own), and this way a peer
-    /// cannot fill this replica's state (and every `Hello` it sends) with workers it never
-    /// drains, or with ones that left the pool long ago ([`Fencing::forget_absent`]).
+    /// fence. A claim above [`MAX_EPOCH`] is ignored (and counted).
     pub(crate) fn observe_claim(
         &self,
         w: WorkerId,
@@ -435,9 +366,8 @@ impl Fencing {
         epoch: u64,
         active: bool,
         prev: Option<(u64, u64)>,
-        source: bool,
     ) {
-        if !self.in_range(epoch) || !source {
+        if !self.in_range(epoch) {
             return;
         }
         let mut st = self.inner.lock();
@@ -571,7 +501,7 @@ mod tests {
         r.note_cleared(w(), nt.epoch, new);
         assert!(!r.accept_batch(w(), old, 1, ot), "after the clear");
         // The old owner learns the higher claim and stops admitting drains.
-        o.observe_claim(w(), new, 2, true, Some((old, 2)), true);
+        o.observe_claim(w(), new, 2, true, Some((old, 2)));
         assert!(o.admit(&w(), Instant::now()).is_none());
         assert!(
             !o.accept_batch(w(), old, 2, ot),
@@ -587,84 +517,12 @@ mod tests {
         assert_eq!(o.claim(w()), 3);
     }
 
-    /// A peer's claim on a worker this replica does not drain raises nothing here (its epoch
-    /// is still checked), so a peer cannot grow this replica's state with workers.
-    #[test]
-    fn claims_on_workers_not_drained_here_are_not_taken_in() {
-        let refused = Counter::default();
-        let f = Fencing::new(1, refused.clone());
-        f.observe_claim(w(), 2, 9, true, Some((3, 4)), false);
-        assert!(f.fences().is_empty(), "no fence");
-        assert_eq!(f.claim(w()), 1, "no epoch seen");
-        f.observe_claim(w(), 2, u64::MAX, true, None, false);
-        assert_eq!(
-            refused.get(),
-            1,
-            "an unreachable epoch is counted all the same"
-        );
-    }
-
-    /// Fencing state of a worker that left the pool goes once it has been gone for the whole
-    /// delay; a return within it starts the absence afresh; other workers keep theirs.
-    #[test]
-    fn workers_gone_from_the_pool_are_forgotten_after_a_while() {
-        use std::collections::HashSet;
-        let me = 1;
-        let f = Fencing::new(me, Counter::default());
-        let (a, b) = (w(), WorkerId::new("10.0.0.2:8000".parse().unwrap()));
-        // Every kind of state for `a`: an epoch and a fence, a clear, a divergence and its cut,
-        // our own drained batches; `b` has a fence too.
-        f.observe_claim(a, 2, 5, true, Some((me, 7)), true);
-        f.note_cleared(a, 5, 2);
-        assert!(f.flag_diverged_once(a, 7));
-        f.observe_claim(b, 2, 3, true, None, true);
-        let mine = Ticket {
-            epoch: 6,
-            prev: None,
-        };
-        assert!(
-            f.accept_batch(a, me, 9, mine),
-            "our own batch raises the fence"
-        );
-        let (both, only_b) = (HashSet::from([a, b]), HashSet::from([b]));
-        let after = Duration::from_secs(600);
-        let t0 = Instant::now();
-        let at = |s: u64| t0 + Duration::from_secs(s);
-        assert!(f.forget_absent(&both, t0, after).is_empty());
-        assert!(f.forget_absent(&only_b, at(1), after).is_empty(), "a left");
-        assert!(
-            f.forget_absent(&both, at(300), after).is_empty(),
-            "and came back"
-        );
-        assert!(
-            f.forget_absent(&only_b, at(301), after).is_empty(),
-            "left again"
-        );
-        assert!(
-            f.forget_absent(&only_b, at(601), after).is_empty(),
-            "its first absence does not count"
-        );
-        assert!(f.forget_absent(&only_b, at(900), after).is_empty());
-        assert_eq!(f.forget_absent(&only_b, at(901), after), vec![a]);
-        assert_eq!(
-            f.fences().into_iter().map(|(w, _)| w).collect::<Vec<_>>(),
-            vec![b],
-            "b keeps its fence"
-        );
-        assert!(f.diverged().is_empty());
-        assert!(f.cut_off().is_empty());
-        assert!(f.flag_unnamed_successors().is_empty());
-        assert!(f.flag_diverged_once(a, 7), "its cut is forgotten too");
-        assert_eq!(f.claim(a), 1, "its epochs are forgotten");
-        assert!(f.forget_absent(&both, at(902), after).is_empty());
-    }
-
     #[test]
     fn an_epoch_no_replica_can_reach_is_refused_and_counted() {
         let refused = Counter::default();
         let f = Fencing::new(1, refused.clone());
-        f.observe_claim(w(), 2, u64::MAX, true, None, true);
-        f.observe_claim(w(), 2, MAX_EPOCH + 1, false, None, true);
+        f.observe_claim(w(), 2, u64::MAX, true, None);
+        f.observe_claim(w(), 2, MAX_EPOCH + 1, false, None);
         let wild = Ticket {
             epoch: u64::MAX,
             prev: None,
@@ -679,7 +537,7 @@ mod tests {
         );
         // Epochs a Lease can give are taken in.
         let lease_epoch = ((1u64 << 31) + 1) << 32;
-        f.observe_claim(w(), 2, lease_epoch, true, None, true);
+        f.observe_claim(w(), 2, lease_epoch, true, None);
         assert!(f.superseded(&w()));
         assert_eq!(refused.get(), 3);
     }
@@ -702,10 +560,10 @@ mod tests {
         let f = Fencing::new(me, Counter::default());
         let e = drain(&f);
         // A fence below ours (a predecessor) is no successor.
-        f.observe_claim(w(), other, e - 1, true, None, true);
+        f.observe_claim(w(), other, e - 1, true, None);
         assert!(f.flag_unnamed_successors().is_empty());
         // Claims crossed: the same epoch, a higher instance, no cut of ours.
-        f.observe_claim(w(), other, e, true, None, true);
+        f.observe_claim(w(), other, e, true, None);
         assert_eq!(f.flag_unnamed_successors(), vec![w()]);
         assert_eq!(f.diverged(), vec![w()]);
         assert!(f.flag_unnamed_successors().is_empty(), "once");
@@ -713,7 +571,7 @@ mod tests {
         // A successor that names us declares a cut instead (`cut_off`).
         let g = Fencing::new(me, Counter::default());
         let e = drain(&g);
-        g.observe_claim(w(), other, e + 1, true, Some((me, 1)), true);
+        g.observe_claim(w(), other, e + 1, true, Some((me, 1)));
         assert!(g.flag_unnamed_successors().is_empty());
         assert!(g.diverged().is_empty());
         assert_eq!(g.cut_off(), vec![(w(), 1)]);

@@ -259,13 +259,6 @@ pub(crate) async fn probe_loop(state: Arc<ReplicaState>) {
         let results = futures_util::future::join_all(probes).await;
         let m = &state.members;
         let now = Instant::now();
-        // Peers' claims count only on workers this replica drains (`Fencing::observe_claim`).
-        let sources: std::collections::HashSet<_> = state
-            .feeds
-            .single_readers()
-            .into_iter()
-            .map(|(w, _)| w)
-            .collect();
         let mut table = m.table.lock();
         table.retain(|a, _| addrs.contains(a));
         for (addr, r) in results {
@@ -289,14 +282,10 @@ pub(crate) async fn probe_loop(state: Arc<ReplicaState>) {
                             } else {
                                 c.owner
                             };
-                            state.hub.fencing.observe_claim(
-                                w,
-                                owner,
-                                c.epoch,
-                                c.active,
-                                prev,
-                                sources.contains(&w),
-                            );
+                            state
+                                .hub
+                                .fencing
+                                .observe_claim(w, owner, c.epoch, c.active, prev);
                         }
                     }
                     let prev = table.insert(

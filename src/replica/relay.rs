@@ -34,7 +34,7 @@ use prost::Message;
 use tokio::sync::watch;
 
 use super::ReplicaState;
-use super::fence::{FORGET_DEPARTED, Fencing, Ticket, Verdict};
+use super::fence::{Fencing, Ticket, Verdict};
 use super::members::authed;
 use super::pb;
 use crate::events::trtllm::EventSink;
@@ -749,10 +749,6 @@ pub(crate) async fn maintain(state: Arc<ReplicaState>) {
             if !sources.iter().any(|(s, _)| *s == w) {
                 fencing.release(&w);
             }
-        }
-        let present: HashSet<WorkerId> = sources.iter().map(|(w, _)| *w).collect();
-        for w in fencing.forget_absent(&present, now, FORGET_DEPARTED) {
-            tracing::debug!(worker = %w, "forgot the drain fencing of a worker gone from the pool");
         }
         subs.retain(|_, t| !t.is_finished());
         for m in &view {

@@ -1573,8 +1573,8 @@ fn writer_figure(
     let stop = AtomicBool::new(false);
     let ops = AtomicUsize::new(0);
     let cycles = AtomicUsize::new(0);
-    let (busy, elapsed, shootdowns) = std::thread::scope(|scope| {
-        scope.spawn(|| {
+    let (busy, elapsed, done_ops, done_cycles, shootdowns) = std::thread::scope(|scope| {
+        let writer = scope.spawn(|| {
             while !stop.load(Ordering::Relaxed) {
                 for ev in &stream.events {
                     apply_kv(&kv, ev, ev.worker + workers, writer_seeds);
@@ -1590,7 +1590,8 @@ fn writer_figure(
                 cycles.fetch_add(1, Ordering::Relaxed);
             }
         });
-        while ops.load(Ordering::Relaxed) == 0 {
+        // A writer that panicked stops the waits below (its panic surfaces at the scope's end).
+        while ops.load(Ordering::Relaxed) == 0 && !writer.is_finished() {
             std::hint::spin_loop();
         }
         let before = tlb_shootdowns();
@@ -1598,15 +1599,21 @@ fn writer_figure(
         let mut busy = Vec::with_capacity(rounds);
         let mut answer = QueryAnswer::default();
         let mut i = 0;
-        while busy.len() < rounds || cycles.load(Ordering::Relaxed) < WRITER_CYCLES {
+        while (busy.len() < rounds || cycles.load(Ordering::Relaxed) < WRITER_CYCLES)
+            && !writer.is_finished()
+        {
             busy.push(query(&kv, i, &mut answer));
             i += 1;
         }
-        let elapsed = t.elapsed();
+        // The writer's work within the window, read where the window ends.
+        let (elapsed, done_ops, done_cycles) = (
+            t.elapsed(),
+            ops.load(Ordering::Relaxed) - ops0,
+            cycles.load(Ordering::Relaxed),
+        );
         let shootdowns = tlb_shootdowns().zip(before).map(|(b, a)| b - a);
         stop.store(true, Ordering::Relaxed);
-        ops.fetch_sub(ops0, Ordering::Relaxed);
-        (busy, elapsed, shootdowns)
+        (busy, elapsed, done_ops, done_cycles, shootdowns)
     });
     let mut busy = busy;
     busy.sort_unstable();
@@ -1620,8 +1627,8 @@ fn writer_figure(
     };
     println!(
         "  kv-epp under a full-rate writer of {name} ({:.2} M block ops/s, {} cycles, {} queries): query p50 {:.2} µs (idle {:.2}), p99 {:.2} µs (idle {:.2}): p99 {ratio:.2}x of idle{verdict}; TLB shootdowns meanwhile: {}",
-        ops.load(Ordering::Relaxed) as f64 / elapsed.as_secs_f64() / 1e6,
-        cycles.load(Ordering::Relaxed),
+        done_ops as f64 / elapsed.as_secs_f64() / 1e6,
+        done_cycles,
         busy.len(),
         percentile(&busy, 0.5) / 1e3,
         percentile(&idle, 0.5) / 1e3,

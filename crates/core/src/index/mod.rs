@@ -663,19 +663,29 @@ impl KvIndex {
                     // Same engine block again (another tier, or a replayed event): merge tiers.
                     _ => {
                         let changed = tiers != existing.tiers();
-                        if changed {
-                            existing.set_tiers(tiers);
-                            blocks.insert(engine_hash, existing);
-                        }
-                        if changed && existing.ns() != UNKNOWN_NS {
-                            // Counted when new: another engine hash with the same prefix may
-                            // have taken the pair away, and `remove` will count it down.
-                            if self.holders.insert(existing.seq().0, entry.slot, bit)
-                                == Inserted::NewPair
-                            {
-                                added += 1;
+                        let trusted = existing.ns() != UNKNOWN_NS;
+                        // The pair is new when another engine hash with the same prefix took
+                        // it away (`remove` counts it down then): at capacity, refused like
+                        // any new pair, and the tier is not recorded.
+                        if changed
+                            && trusted
+                            && at_capacity()
+                            && !self.holds_pair(existing.seq(), entry.slot)
+                        {
+                            out.rejected += 1;
+                        } else {
+                            if changed {
+                                existing.set_tiers(tiers);
+                                blocks.insert(engine_hash, existing);
                             }
-                            out.stored += 1;
+                            if changed && trusted {
+                                if self.holders.insert(existing.seq().0, entry.slot, bit)
+                                    == Inserted::NewPair
+                                {
+                                    added += 1;
+                                }
+                                out.stored += 1;
+                            }
                         }
                         blocks.release_namespace(ns);
                     }
@@ -712,6 +722,13 @@ impl KvIndex {
             .fetch_add(out.rejected as u64, Ordering::Relaxed);
         c.repaired.fetch_add(out.repaired as u64, Ordering::Relaxed);
         Ok(out)
+    }
+
+    /// Whether worker `slot` holds the prefix `seq` in the holder table (in any tier).
+    fn holds_pair(&self, seq: SequenceHash, slot: u32) -> bool {
+        let guard = epoch::pin();
+        let snap = self.holders.snapshot(&guard);
+        snap.tiers_of(seq.0, snap.hash(seq.0), slot) != 0
     }
 
     /// At capacity: the current block and the rest of its chain (`left` blocks in all) cannot be

@@ -210,6 +210,45 @@ fn unknown_removals_and_bad_token_counts_are_counted() {
     assert_eq!(idx.counters().malformed.load(Ordering::Relaxed), 1);
 }
 
+/// Two engine hashes of one worker with the same tokens share one (prefix, worker) pair, and
+/// removing the first takes the pair away; a later tier of the second would add it back. At
+/// capacity that is refused and counted like any new pair, and the counts stay exact.
+#[test]
+fn a_tier_that_would_add_a_pair_at_capacity_is_refused() {
+    let idx = KvIndex::new(
+        BS,
+        IndexLimits {
+            capacity: 2,
+            max_blocks_per_worker: 100,
+        },
+    );
+    idx.add_worker(w(1));
+    let t: Vec<u32> = (0..BS as u32).collect();
+    let un = HashSeed::UNSALTED;
+    store(&idx, w(1), None, un, &[1], &t, Medium::Device);
+    store(&idx, w(1), None, un, &[2], &t, Medium::Device);
+    assert_eq!(idx.pairs(), 1, "one prefix, one pair");
+    idx.remove(&w(1), &[EngineBlockHash(1)], Medium::Device)
+        .unwrap();
+    assert_eq!(idx.pairs(), 0, "the pair went with the first engine hash");
+    let u: Vec<u32> = (100..100 + 2 * BS as u32).collect();
+    store(&idx, w(1), None, un, &[3, 4], &u, Medium::Device);
+    assert_eq!(idx.pairs(), 2, "at capacity");
+    let out = store(&idx, w(1), None, un, &[2], &t, Medium::Offload);
+    assert_eq!((out.stored, out.rejected), (0, 1));
+    assert_eq!(idx.pairs(), 2, "the capacity holds");
+    assert_eq!(idx.counters().rejected_capacity.load(Ordering::Relaxed), 1);
+    // Below capacity again, the same tier is taken.
+    idx.remove(&w(1), &[EngineBlockHash(3)], Medium::Device)
+        .unwrap();
+    let out = store(&idx, w(1), None, un, &[2], &t, Medium::Offload);
+    assert_eq!((out.stored, out.rejected), (1, 0));
+    assert_eq!(idx.pairs(), 2);
+    idx.remove(&w(1), &[EngineBlockHash(2)], Medium::Offload)
+        .unwrap();
+    assert_eq!(idx.pairs(), 1, "the offload pair counted down once");
+}
+
 #[test]
 fn capacity_rejects_and_worker_limit_resets() {
     let idx = KvIndex::new(

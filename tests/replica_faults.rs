@@ -9,7 +9,8 @@
 //! is not ready and says why; afterwards every replica holds the same index, and a fresh round
 //! arrives whole everywhere. A second scenario isolates a one-way cut: a replica that cannot
 //! see the drainer claims its engines, and the drainer must stop first even when its claims
-//! outrank the newcomer's.
+//! outrank the newcomer's. A third has replicas whose pools differ: every engine is still
+//! drained, by exactly one replica.
 
 mod common;
 
@@ -312,5 +313,63 @@ async fn a_drainer_stops_for_a_claim_made_without_seeing_it() {
     for (i, e) in engines.iter().enumerate() {
         let drains = e.drains_between(settled, Instant::now());
         check_drains(&format!("engine {i}"), &drains, &names, &[], PROBE, bound);
+    }
+}
+
+/// Replicas whose pools differ (a rollout that changes `workers` reaches them one by one): a
+/// replica that does not have a worker must not win its ownership, or nobody drains it and the
+/// engine's bounded event buffer loses what it held. `b` has none of the engines; `a` and `c`
+/// have all of them: each engine is drained, by exactly one of `a` and `c`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_missing_from_one_replicas_pool_is_drained_by_one_that_has_it() {
+    let engines: Vec<DrainEngine> = (0..8).map(|_| DrainEngine::default()).collect();
+    let mut addrs = Vec::new();
+    for e in &engines {
+        addrs.push(e.start().await);
+    }
+    let workers: Vec<String> = addrs
+        .iter()
+        .map(|a| format!("{{endpoint: '{a}', model: m}}"))
+        .collect();
+    let events = "events: {engine: trtllm, trtllm: {poll_interval_ms: 50}}\n";
+    let with = format!("{events}workers: [{}]\n", workers.join(", "));
+    let without = format!("{events}workers: []\n");
+    let (pa, pb, pc) = (ports(), ports(), ports());
+    let all = [pa.peer, pb.peer, pc.peer];
+    let mut names: HashMap<u32, String> = HashMap::new();
+    let c = Replica::spawn("c", &pc, &with, &all);
+    track(&engines, &c, &mut names);
+    let b = Replica::spawn("b", &pb, &without, &all);
+    track(&engines, &b, &mut names);
+    let a = Replica::spawn("a", &pa, &with, &all);
+    track(&engines, &a, &mut names);
+    for r in [&a, &b, &c] {
+        r.wait_ready(30).await;
+    }
+    // Every engine polled, each by one of a and c (all three replicas see each other).
+    let one_each = || {
+        engines.iter().all(|e| {
+            recent_poller(e, &names).is_some_and(|p| p.starts_with("a#") || p.starts_with("c#"))
+        })
+    };
+    assert!(
+        common::eventually(60, one_each).await,
+        "an engine without a poller: {:?}\n{}",
+        engines
+            .iter()
+            .map(|e| recent_poller(e, &names))
+            .collect::<Vec<_>>(),
+        b.log_tail()
+    );
+    let settled = Instant::now();
+    tokio::time::sleep(PROBE * 10).await;
+    let bound = PROBE * TAKEOVER_INTERVALS;
+    for (i, e) in engines.iter().enumerate() {
+        let drains = e.drains_between(settled, Instant::now());
+        check_drains(&format!("engine {i}"), &drains, &names, &[], PROBE, bound);
+        assert!(
+            !drains.is_empty(),
+            "engine {i} was not drained after settling"
+        );
     }
 }

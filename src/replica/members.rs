@@ -41,6 +41,8 @@ pub struct Member {
     pub claims: Vec<pb::Claim>,
     /// Sources it drained beyond the cut their new owner declared.
     pub diverged: Vec<String>,
+    /// The single-reader sources in its pool (`None`: it does not say, so it may own any).
+    pub sources: Option<HashSet<String>>,
 }
 
 /// The peer table.
@@ -135,10 +137,12 @@ impl Members {
     }
 
     /// Instances of the ready peers.
-    pub(crate) fn ready_instances(&self) -> Vec<u64> {
+    /// Ready peers that have `worker` among their single-reader sources (or do not say which
+    /// they have).
+    pub(crate) fn ready_instances(&self, worker: &str) -> Vec<u64> {
         self.view()
             .into_iter()
-            .filter(|m| m.ready)
+            .filter(|m| m.ready && m.sources.as_ref().is_none_or(|s| s.contains(worker)))
             .map(|m| m.instance)
             .collect()
     }
@@ -299,6 +303,9 @@ pub(crate) async fn probe_loop(state: Arc<ReplicaState>) {
                             relay_next: reply.relay_next,
                             claims: reply.claims,
                             diverged: reply.diverged,
+                            sources: reply
+                                .sources_known
+                                .then(|| reply.sources.into_iter().collect()),
                         },
                     );
                     if prev.as_ref().map(|p| (p.instance, p.ready))

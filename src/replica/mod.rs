@@ -401,7 +401,8 @@ impl ReplicaState {
 
     /// The replica that owns a single-reader source: with a drain Lease, its holder (this one
     /// only while ready and its holding is confirmed); else the highest rendezvous weight among
-    /// the ready replicas (this one included when ready). `None` when no replica is known to.
+    /// the ready replicas that have the source in their pool (this one included when ready: it
+    /// is only asked about its own sources). `None` when no replica is known to.
     pub(crate) fn owner_of(&self, worker: &WorkerId) -> Option<u64> {
         if let Some(l) = self.lease() {
             if self.is_ready() && l.held_until(Instant::now()).is_some() {
@@ -409,7 +410,8 @@ impl ReplicaState {
             }
             return l.holder().filter(|&h| h != self.instance);
         }
-        let mut ready = self.members.ready_instances();
+        // Only replicas whose pool has the worker: one without it would never drain it.
+        let mut ready = self.members.ready_instances(&worker.to_string());
         if self.is_ready() {
             ready.push(self.instance);
         }

@@ -104,6 +104,14 @@ impl Replica for Service {
                 .iter()
                 .map(ToString::to_string)
                 .collect(),
+            sources: self
+                .state
+                .feeds
+                .single_readers()
+                .into_iter()
+                .map(|(w, _)| w.to_string())
+                .collect(),
+            sources_known: true,
         }))
     }
 

@@ -42,7 +42,8 @@ pub struct Member {
     /// Sources it drained beyond the cut their new owner declared.
     pub diverged: Vec<String>,
     /// The single-reader sources in its pool (`None`: it does not say, so it may own any).
-    pub sources: Option<HashSet<String>>,
+    /// Shared, so copying a member (`view`) does not copy the pool.
+    pub sources: Option<std::sync::Arc<HashSet<String>>>,
 }
 
 /// The peer table.
@@ -139,9 +140,14 @@ impl Members {
     /// Instances of the ready peers.
     /// Ready peers that have `worker` among their single-reader sources (or do not say which
     /// they have).
+    /// Read in place under the table's lock, not through [`Members::view`]'s copies: it runs
+    /// once per source each drain round.
     pub(crate) fn ready_instances(&self, worker: &str) -> Vec<u64> {
-        self.view()
-            .into_iter()
+        let now = Instant::now();
+        self.table
+            .lock()
+            .values()
+            .filter(|m| now.duration_since(m.last_ok) <= self.stale_after)
             .filter(|m| m.ready && m.sources.as_ref().is_none_or(|s| s.contains(worker)))
             .map(|m| m.instance)
             .collect()
@@ -305,7 +311,7 @@ pub(crate) async fn probe_loop(state: Arc<ReplicaState>) {
                             diverged: reply.diverged,
                             sources: reply
                                 .sources_known
-                                .then(|| reply.sources.into_iter().collect()),
+                                .then(|| std::sync::Arc::new(reply.sources.into_iter().collect())),
                         },
                     );
                     if prev.as_ref().map(|p| (p.instance, p.ready))

@@ -31,11 +31,26 @@ const TAKEOVER_INTERVALS: u32 = 15;
 /// 2.5; relay streams' 5 s are not waited for).
 const FAULT: Duration = Duration::from_secs(3);
 
-fn body(engines: &[std::net::SocketAddr; 2]) -> String {
+/// A replica's config: TensorRT-LLM events polled every 50 ms from `engines`, model `m`.
+fn body(engines: &[std::net::SocketAddr]) -> String {
+    let workers: Vec<String> = engines
+        .iter()
+        .map(|a| format!("{{endpoint: '{a}', model: m}}"))
+        .collect();
     format!(
-        "events: {{engine: trtllm, trtllm: {{poll_interval_ms: 50}}}}\nworkers: [{{endpoint: '{}', model: m}}, {{endpoint: '{}', model: m}}]\n",
-        engines[0], engines[1]
+        "events: {{engine: trtllm, trtllm: {{poll_interval_ms: 50}}}}\nworkers: [{}]\n",
+        workers.join(", ")
     )
+}
+
+/// `n` drain engines, started, and their addresses.
+async fn drain_engines(n: usize) -> (Vec<DrainEngine>, Vec<std::net::SocketAddr>) {
+    let engines: Vec<DrainEngine> = (0..n).map(|_| DrainEngine::default()).collect();
+    let mut addrs = Vec::new();
+    for e in &engines {
+        addrs.push(e.start().await);
+    }
+    (engines, addrs)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -215,19 +230,8 @@ async fn sources(r: &Replica) -> Vec<(String, Option<String>, bool, Option<u64>)
 /// half of the engines by rendezvous. Then the link heals and ownership settles.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drainer_stops_for_a_claim_made_without_seeing_it() {
-    let engines: Vec<DrainEngine> = (0..8).map(|_| DrainEngine::default()).collect();
-    let mut addrs = Vec::new();
-    for e in &engines {
-        addrs.push(e.start().await);
-    }
-    let workers: Vec<String> = addrs
-        .iter()
-        .map(|a| format!("{{endpoint: '{a}', model: m}}"))
-        .collect();
-    let body = format!(
-        "events: {{engine: trtllm, trtllm: {{poll_interval_ms: 50}}}}\nworkers: [{}]\n",
-        workers.join(", ")
-    );
+    let (engines, addrs) = drain_engines(8).await;
+    let body = body(&addrs);
     let (pz, px, py) = (ports(), ports(), ports());
     // y reaches x only through this link, cut from the start; x reaches y directly.
     let link = Cutter::start(format!("127.0.0.1:{}", px.peer)).await;
@@ -324,18 +328,8 @@ async fn a_drainer_stops_for_a_claim_made_without_seeing_it() {
 /// only that rarely.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_missing_from_one_replicas_pool_is_drained_by_one_that_has_it() {
-    let engines: Vec<DrainEngine> = (0..16).map(|_| DrainEngine::default()).collect();
-    let mut addrs = Vec::new();
-    for e in &engines {
-        addrs.push(e.start().await);
-    }
-    let workers: Vec<String> = addrs
-        .iter()
-        .map(|a| format!("{{endpoint: '{a}', model: m}}"))
-        .collect();
-    let events = "events: {engine: trtllm, trtllm: {poll_interval_ms: 50}}\n";
-    let with = format!("{events}workers: [{}]\n", workers.join(", "));
-    let without = format!("{events}workers: []\n");
+    let (engines, addrs) = drain_engines(16).await;
+    let (with, without) = (body(&addrs), body(&[]));
     let (pa, pb, pc) = (ports(), ports(), ports());
     let all = [pa.peer, pb.peer, pc.peer];
     let mut names: HashMap<u32, String> = HashMap::new();

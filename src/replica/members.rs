@@ -93,6 +93,11 @@ impl Members {
         *self.discovered.lock() = Some(rx);
     }
 
+    /// Whether `m` answered recently enough, at `now`, to count as present.
+    fn answered(&self, m: &Member, now: Instant) -> bool {
+        now.duration_since(m.last_ok) <= self.stale_after
+    }
+
     /// Peers that answered recently (never this replica).
     pub fn view(&self) -> Vec<Member> {
         let now = Instant::now();
@@ -100,7 +105,7 @@ impl Members {
             .table
             .lock()
             .values()
-            .filter(|m| now.duration_since(m.last_ok) <= self.stale_after)
+            .filter(|m| self.answered(m, now))
             .cloned()
             .collect();
         v.sort_by_key(|m| m.addr);
@@ -137,18 +142,16 @@ impl Members {
         }
     }
 
-    /// Instances of the ready peers.
-    /// Ready peers that have `worker` among their single-reader sources (or do not say which
-    /// they have).
-    /// Read in place under the table's lock, not through [`Members::view`]'s copies: it runs
-    /// once per source each drain round.
+    /// Ready peers (of [`Members::view`]) that have `worker` among their single-reader sources,
+    /// or do not say which they have. Read in place under the table's lock rather than through
+    /// `view`'s copies: it runs once per source each drain round.
     pub(crate) fn ready_instances(&self, worker: &str) -> Vec<u64> {
         let now = Instant::now();
         self.table
             .lock()
             .values()
-            .filter(|m| now.duration_since(m.last_ok) <= self.stale_after)
-            .filter(|m| m.ready && m.sources.as_ref().is_none_or(|s| s.contains(worker)))
+            .filter(|m| self.answered(m, now) && m.ready)
+            .filter(|m| m.sources.as_ref().is_none_or(|s| s.contains(worker)))
             .map(|m| m.instance)
             .collect()
     }

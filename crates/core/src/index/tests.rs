@@ -40,6 +40,17 @@ fn store(
     .unwrap()
 }
 
+/// An index of blocks of `BS` tokens with these limits.
+fn limited(capacity: usize, max_blocks_per_worker: usize) -> KvIndex {
+    KvIndex::new(
+        BS,
+        IndexLimits {
+            capacity,
+            max_blocks_per_worker,
+        },
+    )
+}
+
 fn sorted(mut v: Vec<Overlap>) -> Vec<(WorkerId, u32, u32)> {
     v.sort_by_key(|o| o.worker);
     v.into_iter()
@@ -215,13 +226,7 @@ fn unknown_removals_and_bad_token_counts_are_counted() {
 /// capacity that is refused and counted like any new pair, and the counts stay exact.
 #[test]
 fn a_tier_that_would_add_a_pair_at_capacity_is_refused() {
-    let idx = KvIndex::new(
-        BS,
-        IndexLimits {
-            capacity: 2,
-            max_blocks_per_worker: 100,
-        },
-    );
+    let idx = limited(2, 100);
     idx.add_worker(w(1));
     let t: Vec<u32> = (0..BS as u32).collect();
     let un = HashSeed::UNSALTED;
@@ -251,13 +256,7 @@ fn a_tier_that_would_add_a_pair_at_capacity_is_refused() {
 
 #[test]
 fn capacity_rejects_and_worker_limit_resets() {
-    let idx = KvIndex::new(
-        BS,
-        IndexLimits {
-            capacity: 3,
-            max_blocks_per_worker: 5,
-        },
-    );
+    let idx = limited(3, 5);
     idx.add_worker(w(1));
     idx.add_worker(w(2));
     let t: Vec<u32> = (0..16).collect();
@@ -274,13 +273,7 @@ fn capacity_rejects_and_worker_limit_resets() {
     assert_eq!(idx.pairs(), 3);
     // Worker 2 with a tiny limit of its own: exceeding it drops its state.
     idx.clear_worker(&w(1)).unwrap();
-    let idx2 = KvIndex::new(
-        BS,
-        IndexLimits {
-            capacity: 100,
-            max_blocks_per_worker: 3,
-        },
-    );
+    let idx2 = limited(100, 3);
     idx2.add_worker(w(2));
     store(
         &idx2,
@@ -914,13 +907,7 @@ fn repaired_blocks_are_removed_cleanly() {
 
 #[test]
 fn a_repair_beyond_capacity_is_rejected_and_stays_unknown() {
-    let idx = KvIndex::new(
-        BS,
-        IndexLimits {
-            capacity: 1,
-            ..IndexLimits::default()
-        },
-    );
+    let idx = limited(1, IndexLimits::default().max_blocks_per_worker);
     idx.add_worker(w(1));
     let t: Vec<u32> = (0..8).collect();
     let a = HashSeed::new(None, Some("a"));

@@ -10,17 +10,22 @@
 //! arrives whole everywhere. A second scenario isolates a one-way cut: a replica that cannot
 //! see the drainer claims its engines, and the drainer must stop first even when its claims
 //! outrank the newcomer's. A third has replicas whose pools differ: every engine is still
-//! drained, by exactly one replica.
+//! drained, by one replica at a time. A fourth changes a worker's model (its pod's label, under
+//! discovery) while it is drained: the drain resumes, and events reach the new model's index.
 
 mod common;
+#[path = "common/kube_api.rs"]
+mod kube_api;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use common::replicas::{
-    Cutter, DrainEngine, Pusher, Replica, check_drains, converge, ports, recent_poller, round,
-    track, wait_poller, wait_poller_among,
+    BS, Cutter, DrainEngine, Pusher, Replica, check_drains, converge, ports, recent_poller, round,
+    track, trt_stored, wait_poller, wait_poller_among,
 };
+use kube_api::{FakeKube, Res, pod, pool_v1};
+use serde_json::{Value, json};
 
 /// Probe interval of the test replicas (`Replica::spawn` sets it).
 const PROBE: Duration = Duration::from_millis(200);
@@ -368,4 +373,136 @@ async fn an_engine_missing_from_one_replicas_pool_is_drained_by_one_that_has_it(
             "engine {i} was not drained after settling"
         );
     }
+}
+
+/// `r`'s workers (from discovery) as `(worker, model, blocks)`.
+async fn workers(r: &Replica) -> Vec<(String, String, Option<u64>)> {
+    let Some(w) = r.get("/workers").await else {
+        return Vec::new();
+    };
+    w["workers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|w| {
+            (
+                w["worker"].as_str().unwrap_or_default().to_owned(),
+                w["model"].as_str().unwrap_or_default().to_owned(),
+                w["blocks"].as_u64(),
+            )
+        })
+        .collect()
+}
+
+/// A rollout relabels a pod with another model while a replica drains it: every replica stops
+/// the worker's feed and starts it again under the new model, in one step. The drainer's claim
+/// outlives that restart, so its peers keep deferring to it: unless the drainer polls again the
+/// engine is drained by nobody, for good, and its bounded event buffer loses everything. The
+/// drain must resume, by one replica at a time, and fresh events must reach the new model's
+/// index on every replica. Under the drain Lease (the default with a pool) and under probe
+/// fencing alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_model_changes_under_a_leased_drain_is_drained_again() {
+    model_change_under_a_drain("").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_model_changes_under_a_probed_drain_is_drained_again() {
+    model_change_under_a_drain(", coordination: probes").await;
+}
+
+/// The scenario above; `peers_extra` is added to the replicas' `peers` section.
+async fn model_change_under_a_drain(peers_extra: &str) {
+    let (engines, addrs) = drain_engines(1).await;
+    let fake = FakeKube::start().await;
+    let labels = |model: &str| json!({"app": "trt", "kv-epp.io/model": model});
+    let selector = json!({"app": "trt"});
+    fake.put(
+        Res::PoolV1,
+        "default",
+        pool_v1("trt", selector, &[addrs[0].port()]),
+    );
+    fake.put(
+        Res::Pods,
+        "default",
+        pod("p0", "127.0.0.1", true, labels("a")),
+    );
+    let kubeconfig = fake.kubeconfig(&common::replicas::dir());
+    let body = format!(
+        "models: [{{name: a, block_size: {BS}}}, {{name: b, block_size: {BS}}}]\n\
+         events: {{engine: trtllm, trtllm: {{poll_interval_ms: 50}}}}\n\
+         pool: {{name: trt, namespace: default, kubeconfig: '{}'}}\n",
+        kubeconfig.display()
+    );
+    let (px, py) = (ports(), ports());
+    let all = [px.peer, py.peer];
+    let mut names: HashMap<u32, String> = HashMap::new();
+    let x = Replica::spawn_with("x", &px, &body, &all, peers_extra);
+    track(&engines, &x, &mut names);
+    let y = Replica::spawn_with("y", &py, &body, &all, peers_extra);
+    track(&engines, &y, &mut names);
+    for r in [&x, &y] {
+        r.wait_ready(30).await;
+    }
+    let drainer = wait_poller(&engines[0], &names, 60).await;
+    let worker = addrs[0].to_string();
+    let serves = |model: &'static str, blocks: Option<u64>| {
+        let (x, y, worker) = (&x, &y, worker.clone());
+        async move {
+            for r in [x, y] {
+                let ws = workers(r).await;
+                if !ws
+                    .iter()
+                    .any(|w| w.0 == worker && w.1 == model && (blocks.is_none() || w.2 == blocks))
+                {
+                    return false;
+                }
+            }
+            true
+        }
+    };
+    assert!(
+        common::eventually_async(30, || serves("a", None)).await,
+        "both replicas serve the worker as model a"
+    );
+
+    fake.put(
+        Res::Pods,
+        "default",
+        pod("p0", "127.0.0.1", true, labels("b")),
+    );
+    assert!(
+        common::eventually_async(30, || serves("b", None)).await,
+        "both replicas serve the worker as model b"
+    );
+    let changed = Instant::now();
+    // Fresh events of the new model: drained by someone, and in both replicas' index of `b`.
+    engines[0].push(trt_stored(7_000, "t"));
+    let resumed = common::eventually(30, || {
+        !engines[0]
+            .drains_between(changed, Instant::now())
+            .is_empty()
+            && engines[0].is_drained()
+    })
+    .await;
+    let status = |v: Option<Value>| v.map(|s| s["single_reader_sources"].clone());
+    assert!(
+        resumed,
+        "nobody drains the engine since its model changed (it was drained by {drainer}):\n\
+         x: {:?}\ny: {:?}\n{}\n{}",
+        status(x.status().await),
+        status(y.status().await),
+        x.log_tail(),
+        y.log_tail()
+    );
+    assert!(
+        common::eventually_async(30, || serves("b", Some(2))).await,
+        "the drained blocks reach both replicas' index of model b: x {:?}, y {:?}",
+        workers(&x).await,
+        workers(&y).await
+    );
+    let bound = PROBE * TAKEOVER_INTERVALS;
+    tokio::time::sleep(PROBE * 10).await;
+    let drains = engines[0].drains_between(changed, Instant::now());
+    check_drains("the engine", &drains, &names, &[], PROBE, bound);
 }

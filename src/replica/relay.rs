@@ -37,6 +37,7 @@ use super::ReplicaState;
 use super::fence::{Fencing, Ticket, Verdict};
 use super::members::authed;
 use super::pb;
+use crate::events::SingleReader;
 use crate::events::trtllm::EventSink;
 use crate::metrics::Metrics;
 use crate::workers::Workers;
@@ -705,6 +706,14 @@ pub(crate) async fn maintain(state: Arc<ReplicaState>) {
                 (Some(_), _) => {}
             }
             let Some(c) = ours else { continue };
+            if c.active && !state.feeds.is_polling(w) {
+                // Still ours, but nothing polls it: the worker's feed was restarted (a rollout
+                // changed its model) between two rounds, which ends the poller and keeps the
+                // claim. Peers defer to the claim, so unless this replica polls again nobody
+                // drains the worker. The new feed's block size is the one to read with.
+                tracing::info!(worker = %w, epoch = c.epoch, "the worker's feed was restarted: draining it again");
+                poll_into_hub(&state, *w, sr);
+            }
             if c.active {
                 // A replica (this one included) drained beyond a cut (it was paused or cut off
                 // while it owned the source): its peers never applied those events, so every
@@ -736,12 +745,7 @@ pub(crate) async fn maintain(state: Arc<ReplicaState>) {
                     .map(|o| (o, state.hub.position(o).unwrap_or(0)));
                 fencing.activate(w, prev, until);
                 tracing::info!(worker = %w, epoch = c.epoch, "this replica now owns the worker's event drain");
-                state.feeds.poll(
-                    *w,
-                    sr.index.block_size(),
-                    sr.interval,
-                    Arc::new(HubSink(state.hub.clone())),
-                );
+                poll_into_hub(&state, *w, sr);
             }
         }
         owner_since.retain(|w, _| sources.iter().any(|(s, _)| s == w));
@@ -756,6 +760,16 @@ pub(crate) async fn maintain(state: Arc<ReplicaState>) {
                 .or_insert_with(|| tokio::spawn(subscribe(state.clone(), m.addr, m.instance)));
         }
     }
+}
+
+/// Polls `worker` (a single-reader source this replica owns) into the relay log.
+fn poll_into_hub(state: &Arc<ReplicaState>, worker: WorkerId, sr: &SingleReader) {
+    state.feeds.poll(
+        worker,
+        sr.index.block_size(),
+        sr.interval,
+        Arc::new(HubSink(state.hub.clone())),
+    );
 }
 
 /// Gives up this replica's claim on `worker` and stops polling it (the drain in flight is

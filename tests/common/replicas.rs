@@ -110,6 +110,7 @@ pub fn dir() -> PathBuf {
 }
 
 impl Replica {
+    /// A replica with one model `m` (block size [`BS`]) unless `body` names its own `models:`.
     pub fn spawn(name: &str, p: &Ports, body: &str, peers: &[u16]) -> Replica {
         Replica::spawn_with(name, p, body, peers, "")
     }
@@ -138,11 +139,17 @@ impl Replica {
         let token = d.join("token");
         super::write_file(&token, format!("{token_text}\n"));
         let peer_list: Vec<String> = peers.iter().map(|p| format!("'127.0.0.1:{p}'")).collect();
+        // One model `m` unless the body names its own.
+        let models = if body.contains("models:") {
+            String::new()
+        } else {
+            format!("models: [{{name: m, block_size: {BS}}}]\n")
+        };
         let yaml = format!(
             "server: {{bind_address: 127.0.0.1, grpc_port: {}, grpc_health_port: {}, metrics_port: {}, admin_port: {}}}\n\
              engine_metrics: {{interval_ms: 0}}\n\
              peers: {{static_peers: [{}], port: {}, token_file: '{}', probe_interval_ms: 200, bootstrap_timeout_ms: 30000, snapshot_chunk_blocks: 64{peers_extra}}}\n\
-             models: [{{name: m, block_size: {BS}}}]\n{body}",
+             {models}{body}",
             p.grpc,
             p.health,
             p.metrics,

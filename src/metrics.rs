@@ -63,6 +63,8 @@ pub struct Metrics {
     pub replica_refused_by_peers: Counter,
     /// Peers' claims and relayed batches refused for an ownership epoch no replica can reach.
     pub replica_epochs_refused: Counter,
+    /// Peers' claims on workers outside this replica's pool not tracked (too many such workers).
+    pub replica_claims_untracked: Counter,
     /// Admin API requests refused, by reason (`missing`, `malformed`, `invalid_token`).
     pub admin_unauthenticated: Family<Labels, Counter>,
     /// Metrics scrapes refused, by reason (`missing`, `malformed`, `invalid_token`,
@@ -225,6 +227,12 @@ impl Metrics {
             "Peers' claims and relayed batches refused for an ownership epoch out of range",
             replica_epochs_refused.clone(),
         );
+        let replica_claims_untracked = Counter::default();
+        registry.register(
+            "replica_claims_untracked",
+            "Peers' claims on workers outside this replica's pool not tracked: as many such workers were already",
+            replica_claims_untracked.clone(),
+        );
         let admin_unauthenticated = Family::<Labels, Counter>::default();
         registry.register(
             "admin_unauthenticated",
@@ -284,6 +292,7 @@ impl Metrics {
             replica_unauthenticated,
             replica_refused_by_peers,
             replica_epochs_refused,
+            replica_claims_untracked,
             requests,
             decision_seconds,
             prompt_blocks,

@@ -31,10 +31,21 @@
 //!   batches ([`Fencing::cut_off`]), or when the successor did not name it at all (it claimed
 //!   without seeing this replica; [`Fencing::flag_unnamed_successors`]).
 //!
+//! - **Forgetting.** State of a worker outside this replica's pool that nobody has claimed or
+//!   drained (as far as this replica sees directly: a peer's own claims, any relayed batch) for
+//!   [`FORGET_AFTER`] is dropped ([`Fencing::tend`]), so pod churn does not grow it, nor the
+//!   `Hello` that carries the fences, for ever. Its highest epoch raises a floor under every
+//!   later claim, so a claim is never lower than it would have been had nothing been forgotten.
+//!   A fence passed on by a peer is taken in only for a worker of this replica's pool or one it
+//!   tracks already (else two replicas would keep an abandoned worker alive by passing it back
+//!   and forth); a go-between that sees the drainer directly tracks it, so the fence still
+//!   travels. At most [`MAX_FOREIGN`] workers outside the pool are tracked; claims on more are
+//!   ignored and counted.
+//!
 //! Pure bookkeeping under one lock; the caller does the I/O.
 
 use std::collections::HashMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use prometheus_client::metrics::counter::Counter;
@@ -47,6 +58,16 @@ use kv_epp_core::worker::WorkerId;
 /// is refused and counted: taken in, it would make the next claim's `seen + 1` wrap (to the
 /// "no fencing" epoch 0 or below every fence), so one bad message could stop a source for good.
 pub(crate) const MAX_EPOCH: u64 = ((1 << 31) + 2) << 32;
+
+/// How long a worker outside this replica's pool is remembered after the last claim or batch on
+/// it this replica saw: far beyond any pause or cut the fencing rides out (a replica frozen
+/// longer finds its lease lapsed and drains nothing until it has heard its peers again).
+pub(crate) const FORGET_AFTER: Duration = Duration::from_secs(600);
+
+/// Most workers outside this replica's pool it tracks at once (a pool's workers are always
+/// tracked). A deployment's churn within [`FORGET_AFTER`] stays far below it; a peer that names
+/// more is refused and counted.
+pub(crate) const MAX_FOREIGN: usize = 65_536;
 
 /// This replica's claim on a source.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -108,6 +129,23 @@ struct Inner {
     cleared: HashMap<WorkerId, (u64, u64)>,
     /// The epoch of our latest own batch per source, until a successor's fence outranks it.
     drained: HashMap<WorkerId, u64>,
+    /// Every tracked worker (the other maps hold only these): when it was last in this
+    /// replica's pool, claimed (by us, or by a peer in its own `Hello`) or drained.
+    touched: HashMap<WorkerId, Instant>,
+    /// How many tracked workers were outside the pool at the last [`Fencing::tend`], plus those
+    /// tracked since.
+    foreign: usize,
+    /// The highest epoch of any forgotten worker: every claim is made above it.
+    floor: u64,
+}
+
+/// Where a peer's claim comes from ([`Fencing::observe_claim`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Heard {
+    /// In the claimer's own `Hello`.
+    Direct,
+    /// Passed on by another peer (its `fences`).
+    Relayed,
 }
 
 /// Claims, leases and fences of one replica.
@@ -116,16 +154,19 @@ pub(crate) struct Fencing {
     inner: Mutex<Inner>,
     /// Peers' claims and batches refused for an epoch above [`MAX_EPOCH`].
     refused: Counter,
+    /// Peers' claims not tracked: [`MAX_FOREIGN`] workers outside the pool were.
+    untracked: Counter,
     /// Whether such a refusal was logged (once: a peer that sends them sends them every probe).
     logged: std::sync::atomic::AtomicBool,
 }
 
 impl Fencing {
-    pub(crate) fn new(instance: u64, refused: Counter) -> Fencing {
+    pub(crate) fn new(instance: u64, refused: Counter, untracked: Counter) -> Fencing {
         Fencing {
             instance,
             inner: Mutex::new(Inner::default()),
             refused,
+            untracked,
             logged: Default::default(),
         }
     }
@@ -174,9 +215,10 @@ impl Fencing {
         if let Some(c) = st.claims.get(&w) {
             return c.epoch;
         }
-        let seen = st.seen.get(&w).copied().unwrap_or(0);
+        let seen = st.seen.get(&w).copied().unwrap_or(0).max(st.floor);
         let epoch = seen.saturating_add(1).max(floor.saturating_add(1));
         st.seen.insert(w, epoch);
+        st.touch(w, Instant::now());
         st.claims.insert(
             w,
             Claim {
@@ -207,6 +249,7 @@ impl Fencing {
     pub(crate) fn set_diverged(&self, w: WorkerId, diverged: bool) {
         let mut st = self.inner.lock();
         if diverged {
+            st.touch(w, Instant::now());
             st.diverged.insert(w);
         } else {
             st.diverged.remove(&w);
@@ -219,6 +262,7 @@ impl Fencing {
         if st.flagged_cuts.get(&w) == Some(&cut) {
             return false;
         }
+        st.touch(w, Instant::now());
         st.flagged_cuts.insert(w, cut);
         st.diverged.insert(w);
         true
@@ -357,20 +401,36 @@ impl Fencing {
         })
     }
 
-    /// Notes a peer's claim (from its `Hello`): its epoch is seen, and an active one raises the
-    /// fence. A claim above [`MAX_EPOCH`] is ignored (and counted).
+    /// Notes a peer's claim (from a `Hello`): its epoch is seen, and an active one raises the
+    /// fence. A claim above [`MAX_EPOCH`] is ignored (and counted). `in_pool`: `w` is in this
+    /// replica's pool. A relayed claim on a worker neither in the pool nor tracked is ignored,
+    /// and a direct one past [`MAX_FOREIGN`] is ignored and counted (see the module doc).
     pub(crate) fn observe_claim(
         &self,
         w: WorkerId,
-        owner: u64,
-        epoch: u64,
+        heard: Heard,
+        in_pool: bool,
+        claim: Fence,
         active: bool,
-        prev: Option<(u64, u64)>,
+        now: Instant,
     ) {
+        let Fence { epoch, owner, prev } = claim;
         if !self.in_range(epoch) {
             return;
         }
         let mut st = self.inner.lock();
+        if !st.touched.contains_key(&w) {
+            if heard == Heard::Relayed && !in_pool {
+                return;
+            }
+            if !in_pool && st.foreign >= MAX_FOREIGN {
+                self.untracked.inc();
+                return;
+            }
+            st.touch(w, now);
+        } else if heard == Heard::Direct || in_pool {
+            st.touch(w, now);
+        }
         let seen = st.seen.entry(w).or_insert(0);
         *seen = (*seen).max(epoch);
         if active {
@@ -383,7 +443,9 @@ impl Fencing {
     /// that had them applied before that clear, are refused from now on, so a replica that
     /// receives them late does not apply them after it.
     pub(crate) fn note_cleared(&self, w: WorkerId, epoch: u64, origin: u64) {
-        self.inner.lock().cleared.insert(w, (epoch, origin));
+        let mut st = self.inner.lock();
+        st.touch(w, Instant::now());
+        st.cleared.insert(w, (epoch, origin));
     }
 
     /// Whether a relayed (or own) batch of `w` from `origin` at `seq`, drained under `ticket`,
@@ -409,6 +471,14 @@ impl Fencing {
             return Verdict::OutOfRange;
         }
         let mut st = self.inner.lock();
+        if !st.touched.contains_key(&w) {
+            // A batch of a worker this replica does not track (none in its pool while it
+            // tracks MAX_FOREIGN others: nothing applies it here) is judged without a trace.
+            if st.foreign >= MAX_FOREIGN {
+                return Verdict::Accepted;
+            }
+        }
+        st.touch(w, Instant::now());
         let seen = st.seen.entry(w).or_insert(0);
         *seen = (*seen).max(ticket.epoch);
         match st.fences.get(&w).copied() {
@@ -440,6 +510,80 @@ impl Fencing {
     }
 }
 
+impl Fencing {
+    /// Once per drain round: `pool` (this replica's single-reader sources) is touched, and every
+    /// tracked worker outside it that was not touched for `idle` and is not claimed by us is
+    /// forgotten, its highest epoch raising the floor under every later claim. Returns how many
+    /// were forgotten.
+    pub(crate) fn tend(
+        &self,
+        pool: &std::collections::HashSet<WorkerId>,
+        now: Instant,
+        idle: Duration,
+    ) -> usize {
+        let mut st = self.inner.lock();
+        for w in pool {
+            st.touch(*w, now);
+        }
+        let Inner {
+            claims,
+            seen,
+            fences,
+            diverged,
+            flagged_cuts,
+            cleared,
+            drained,
+            touched,
+            foreign,
+            floor,
+        } = &mut *st;
+        let before = touched.len();
+        touched.retain(|w, t| {
+            // Diverged or not: a worker outside the pool has no blocks in this replica's index.
+            let keep = pool.contains(w)
+                || now.saturating_duration_since(*t) < idle
+                || claims.contains_key(w);
+            if !keep {
+                *floor = (*floor).max(seen.remove(w).unwrap_or(0));
+                fences.remove(w);
+                diverged.remove(w);
+                flagged_cuts.remove(w);
+                cleared.remove(w);
+                drained.remove(w);
+            }
+            keep
+        });
+        *foreign = touched.keys().filter(|w| !pool.contains(w)).count();
+        before - touched.len()
+    }
+
+    /// Whether the fence on `w` is at `epoch`.
+    #[cfg(test)]
+    pub(crate) fn superseded_fence(&self, w: &WorkerId, epoch: u64) -> bool {
+        self.inner
+            .lock()
+            .fences
+            .get(w)
+            .is_some_and(|f| f.epoch == epoch)
+    }
+
+    /// How many workers this replica tracks (its pool's and others').
+    #[cfg(test)]
+    pub(crate) fn tracked(&self) -> usize {
+        self.inner.lock().touched.len()
+    }
+}
+
+impl Inner {
+    /// Marks `w` tracked and touched at `now` (a new one counts as foreign until the next
+    /// [`Fencing::tend`] says otherwise).
+    fn touch(&mut self, w: WorkerId, now: Instant) {
+        if self.touched.insert(w, now).is_none() {
+            self.foreign += 1;
+        }
+    }
+}
+
 fn raise(fences: &mut HashMap<WorkerId, Fence>, w: WorkerId, f: Fence) {
     let e = fences.entry(w).or_insert(f);
     if (f.epoch, f.owner) > (e.epoch, e.owner) {
@@ -450,15 +594,25 @@ fn raise(fences: &mut HashMap<WorkerId, Fence>, w: WorkerId, f: Fence) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
+    use std::collections::HashSet;
 
     fn w() -> WorkerId {
         WorkerId::new("10.0.0.1:8000".parse().unwrap())
     }
 
+    fn fencing(instance: u64) -> Fencing {
+        Fencing::new(instance, Counter::default(), Counter::default())
+    }
+
+    /// A peer's claim on `w()` as its own `Hello` shows it, `w()` being in our pool.
+    fn observe(f: &Fencing, owner: u64, epoch: u64, active: bool, prev: Option<(u64, u64)>) {
+        let claim = Fence { epoch, owner, prev };
+        f.observe_claim(w(), Heard::Direct, true, claim, active, Instant::now());
+    }
+
     #[test]
     fn a_lapsed_lease_admits_nothing_until_renewed() {
-        let f = Fencing::new(1, Counter::default());
+        let f = fencing(1);
         let t0 = Instant::now();
         assert_eq!(f.claim(w()), 1);
         assert!(f.admit(&w(), t0).is_none(), "pending claims do not drain");
@@ -474,9 +628,9 @@ mod tests {
     #[test]
     fn a_higher_claim_fences_the_old_owner_and_its_late_batches() {
         let (old, new, third) = (1u64, 2u64, 3u64);
-        let o = Fencing::new(old, Counter::default());
-        let n = Fencing::new(new, Counter::default());
-        let r = Fencing::new(third, Counter::default());
+        let o = fencing(old);
+        let n = fencing(new);
+        let r = fencing(third);
         let t = Instant::now() + Duration::from_secs(60);
         o.claim(w());
         o.activate(&w(), None, t);
@@ -501,7 +655,7 @@ mod tests {
         r.note_cleared(w(), nt.epoch, new);
         assert!(!r.accept_batch(w(), old, 1, ot), "after the clear");
         // The old owner learns the higher claim and stops admitting drains.
-        o.observe_claim(w(), new, 2, true, Some((old, 2)));
+        observe(&o, new, 2, true, Some((old, 2)));
         assert!(o.admit(&w(), Instant::now()).is_none());
         assert!(
             !o.accept_batch(w(), old, 2, ot),
@@ -520,9 +674,9 @@ mod tests {
     #[test]
     fn an_epoch_no_replica_can_reach_is_refused_and_counted() {
         let refused = Counter::default();
-        let f = Fencing::new(1, refused.clone());
-        f.observe_claim(w(), 2, u64::MAX, true, None);
-        f.observe_claim(w(), 2, MAX_EPOCH + 1, false, None);
+        let f = Fencing::new(1, refused.clone(), Counter::default());
+        observe(&f, 2, u64::MAX, true, None);
+        observe(&f, 2, MAX_EPOCH + 1, false, None);
         let wild = Ticket {
             epoch: u64::MAX,
             prev: None,
@@ -537,7 +691,7 @@ mod tests {
         );
         // Epochs a Lease can give are taken in.
         let lease_epoch = ((1u64 << 31) + 1) << 32;
-        f.observe_claim(w(), 2, lease_epoch, true, None);
+        observe(&f, 2, lease_epoch, true, None);
         assert!(f.superseded(&w()));
         assert_eq!(refused.get(), 3);
     }
@@ -557,23 +711,172 @@ mod tests {
             assert!(f.accept_batch(w(), me, 0, tk));
             tk.epoch
         };
-        let f = Fencing::new(me, Counter::default());
+        let f = fencing(me);
         let e = drain(&f);
         // A fence below ours (a predecessor) is no successor.
-        f.observe_claim(w(), other, e - 1, true, None);
+        observe(&f, other, e - 1, true, None);
         assert!(f.flag_unnamed_successors().is_empty());
         // Claims crossed: the same epoch, a higher instance, no cut of ours.
-        f.observe_claim(w(), other, e, true, None);
+        observe(&f, other, e, true, None);
         assert_eq!(f.flag_unnamed_successors(), vec![w()]);
         assert_eq!(f.diverged(), vec![w()]);
         assert!(f.flag_unnamed_successors().is_empty(), "once");
 
         // A successor that names us declares a cut instead (`cut_off`).
-        let g = Fencing::new(me, Counter::default());
+        let g = fencing(me);
         let e = drain(&g);
-        g.observe_claim(w(), other, e + 1, true, Some((me, 1)));
+        observe(&g, other, e + 1, true, Some((me, 1)));
         assert!(g.flag_unnamed_successors().is_empty());
         assert!(g.diverged().is_empty());
         assert_eq!(g.cut_off(), vec![(w(), 1)]);
+    }
+
+    fn worker(i: u32) -> WorkerId {
+        let ip = format!("10.{}.{}.{}", 1 + i / 62_500, i / 250 % 250, i % 250);
+        WorkerId::new(format!("{ip}:8000").parse().unwrap())
+    }
+
+    fn heard(epoch: u64, owner: u64) -> Fence {
+        Fence {
+            epoch,
+            owner,
+            prev: None,
+        }
+    }
+
+    /// A worker that left the pool and that nobody claims is forgotten after the idle time, not
+    /// before, with every trace of it (its fence leaves the `Hello`); while in the pool, claimed
+    /// by us or claimed by a peer directly it stays. Its highest epoch stays as a floor: a later
+    /// claim on any worker goes above it, as it would have had nothing been forgotten.
+    #[test]
+    fn an_abandoned_worker_is_forgotten_and_its_epochs_stay_a_floor() {
+        let f = fencing(1);
+        let idle = Duration::from_secs(600);
+        let t0 = Instant::now();
+        let (a, b) = (w(), worker(2));
+        let pool: HashSet<WorkerId> = [a].into();
+        f.tend(&pool, t0, idle);
+        f.observe_claim(b, Heard::Direct, false, heard(7, 2), true, Instant::now());
+        observe(&f, 2, 3, true, None);
+        assert_eq!(f.fences().len(), 2);
+        // Idle for less than the limit: kept.
+        assert_eq!(f.tend(&pool, t0 + idle / 2, idle), 0);
+        // `b` idle beyond it: forgotten; `a`, in the pool, is not (though as old).
+        let later = t0 + idle * 2;
+        assert_eq!(f.tend(&pool, later, idle), 1);
+        assert_eq!(f.tracked(), 1);
+        assert_eq!(f.fences().len(), 1, "b's fence no longer goes out");
+        // b's epoch 7 is a floor: a claim on b, or on a fresh worker, goes above it.
+        assert_eq!(f.claim_above(b, 0), 8);
+        assert_eq!(f.claim_above(worker(3), 0), 8);
+        // `a` leaves the pool while we claim it: kept until released, then forgotten once idle.
+        let f = fencing(1);
+        f.claim(a);
+        f.tend(&pool, later, idle);
+        let none = HashSet::new();
+        assert_eq!(f.tend(&none, later + idle * 2, idle), 0, "claimed by us");
+        f.release(&a);
+        let gone = later + idle * 2;
+        assert_eq!(f.tend(&none, gone, idle), 1, "idle since it left the pool");
+        // A peer's direct claims keep a worker outside the pool alive.
+        let f = fencing(1);
+        f.observe_claim(b, Heard::Direct, false, heard(2, 2), false, t0);
+        f.observe_claim(b, Heard::Direct, false, heard(2, 2), true, t0 + idle);
+        assert_eq!(f.tend(&none, t0 + idle, idle), 0);
+        assert_eq!(f.tend(&none, t0 + idle * 3 / 2, idle), 0);
+        assert_eq!(f.tracked(), 1);
+    }
+
+    /// A fence passed on by a peer is taken in for a worker of the pool or one tracked already
+    /// (a go-between that hears the drainer itself passes it on), never for another: two
+    /// replicas passing an abandoned worker's fence back and forth would keep it for ever.
+    #[test]
+    fn passed_on_fences_do_not_keep_an_abandoned_worker() {
+        let idle = Duration::from_secs(600);
+        let t0 = Instant::now();
+        let b = worker(2);
+        let none = HashSet::new();
+        // Unknown, outside the pool: ignored.
+        let f = fencing(1);
+        f.observe_claim(b, Heard::Relayed, false, heard(5, 3), true, Instant::now());
+        assert_eq!(f.tracked(), 0);
+        assert!(f.fences().is_empty());
+        // In the pool: taken in.
+        f.observe_claim(b, Heard::Relayed, true, heard(5, 3), true, Instant::now());
+        assert!(f.fences().iter().any(|(w, fe)| *w == b && fe.epoch == 5));
+        // Tracked because the drainer was heard directly: a higher relayed fence raises it.
+        let g = fencing(1);
+        g.observe_claim(b, Heard::Direct, false, heard(5, 3), true, Instant::now());
+        g.observe_claim(b, Heard::Relayed, false, heard(6, 4), true, Instant::now());
+        assert!(g.superseded_fence(&b, 6));
+        // Two replicas passing the fence back and forth: it is forgotten by both once nobody
+        // claims it directly, at different moments, and not taken in again.
+        let (x, y) = (fencing(1), fencing(2));
+        x.observe_claim(b, Heard::Direct, false, heard(5, 3), true, t0);
+        y.observe_claim(b, Heard::Direct, false, heard(5, 3), true, t0);
+        let mut now = t0;
+        for step in 0..40 {
+            now += idle / 10;
+            for (from, to) in [(&x, &y), (&y, &x)] {
+                for (w, fe) in from.fences() {
+                    to.observe_claim(w, Heard::Relayed, false, fe, true, now);
+                }
+            }
+            // x tends every step, y every other one: they forget at different times.
+            x.tend(&none, now, idle);
+            if step % 2 == 0 {
+                y.tend(&none, now, idle);
+            }
+        }
+        assert_eq!((x.tracked(), y.tracked()), (0, 0));
+        assert!(x.fences().is_empty() && y.fences().is_empty());
+    }
+
+    /// At most `MAX_FOREIGN` workers outside the pool are tracked: a peer naming more is
+    /// refused and counted, the pool's workers are still tracked, and forgetting makes room.
+    #[test]
+    fn workers_outside_the_pool_are_tracked_up_to_a_limit() {
+        let untracked = Counter::default();
+        let f = Fencing::new(1, Counter::default(), untracked.clone());
+        let t0 = Instant::now();
+        let idle = Duration::from_secs(600);
+        for i in 0..MAX_FOREIGN as u32 + 10 {
+            f.observe_claim(
+                worker(i),
+                Heard::Direct,
+                false,
+                heard(1, 2),
+                false,
+                Instant::now(),
+            );
+        }
+        assert_eq!(f.tracked(), MAX_FOREIGN);
+        assert_eq!(untracked.get(), 10);
+        let own = worker(MAX_FOREIGN as u32 + 100);
+        f.observe_claim(own, Heard::Relayed, true, heard(4, 2), true, Instant::now());
+        assert!(
+            f.fences().iter().any(|(w, _)| *w == own),
+            "a pool worker is"
+        );
+        // A batch of one more foreign worker is judged without a trace.
+        let extra = worker(MAX_FOREIGN as u32 + 200);
+        let t = Ticket {
+            epoch: 3,
+            prev: None,
+        };
+        assert!(f.accept_batch(extra, 2, 0, t));
+        assert_eq!(f.tracked(), MAX_FOREIGN + 1);
+        let pool: HashSet<WorkerId> = [own].into();
+        assert_eq!(f.tend(&pool, t0 + idle * 2, idle), MAX_FOREIGN);
+        f.observe_claim(
+            extra,
+            Heard::Direct,
+            false,
+            heard(1, 2),
+            false,
+            Instant::now(),
+        );
+        assert_eq!(f.tracked(), 2);
+        assert_eq!(untracked.get(), 10);
     }
 }

@@ -17,10 +17,12 @@ use tokio::sync::watch;
 use tonic::transport::{Channel, Endpoint};
 
 use super::ReplicaState;
+use super::fence::{Fence, Heard};
 use super::pb;
 use super::{PeerTls, PeersConfig};
 use crate::discovery::ServiceEndpoints;
 use crate::metrics::Metrics;
+use kv_epp_core::worker::WorkerId;
 
 /// A peer as last probed.
 #[derive(Clone, Debug)]
@@ -270,6 +272,13 @@ pub(crate) async fn probe_loop(state: Arc<ReplicaState>) {
             }
         });
         let results = futures_util::future::join_all(probes).await;
+        // This replica's single-reader sources: peers' fences on them are always taken in.
+        let pool: HashSet<WorkerId> = state
+            .feeds
+            .single_readers()
+            .into_iter()
+            .map(|(w, _)| w)
+            .collect();
         let m = &state.members;
         let now = Instant::now();
         let mut table = m.table.lock();
@@ -286,8 +295,9 @@ pub(crate) async fn probe_loop(state: Arc<ReplicaState>) {
                     if m.refused.lock().remove(&addr).is_some() {
                         tracing::info!(peer = %addr, "peer accepts our token again");
                     }
-                    let fences = reply.fences.iter().filter(|f| f.owner != 0);
-                    for c in reply.claims.iter().chain(fences) {
+                    let direct = reply.claims.iter().map(|c| (Heard::Direct, c));
+                    let relayed = reply.fences.iter().filter(|f| f.owner != 0);
+                    for (heard, c) in direct.chain(relayed.map(|c| (Heard::Relayed, c))) {
                         if let Ok(w) = c.worker.parse() {
                             let prev = (c.prev_origin != 0).then_some((c.prev_origin, c.prev_seq));
                             let owner = if c.owner == 0 {
@@ -295,10 +305,16 @@ pub(crate) async fn probe_loop(state: Arc<ReplicaState>) {
                             } else {
                                 c.owner
                             };
+                            let claim = Fence {
+                                epoch: c.epoch,
+                                owner,
+                                prev,
+                            };
+                            let in_pool = pool.contains(&w);
                             state
                                 .hub
                                 .fencing
-                                .observe_claim(w, owner, c.epoch, c.active, prev);
+                                .observe_claim(w, heard, in_pool, claim, c.active, now);
                         }
                     }
                     let prev = table.insert(

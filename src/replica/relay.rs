@@ -34,7 +34,7 @@ use prost::Message;
 use tokio::sync::watch;
 
 use super::ReplicaState;
-use super::fence::{Fencing, Ticket, Verdict};
+use super::fence::{FORGET_AFTER, Fencing, Ticket, Verdict};
 use super::members::authed;
 use super::pb;
 use crate::events::SingleReader;
@@ -173,7 +173,11 @@ impl RelayHub {
             tail: watch::channel(0).0,
             counters,
             events,
-            fencing: Fencing::new(instance, metrics.replica_epochs_refused.clone()),
+            fencing: Fencing::new(
+                instance,
+                metrics.replica_epochs_refused.clone(),
+                metrics.replica_claims_untracked.clone(),
+            ),
         }
     }
 
@@ -630,6 +634,14 @@ pub(crate) async fn maintain(state: Arc<ReplicaState>) {
         alive = live;
         let sources = state.feeds.single_readers();
         let fencing = &state.hub.fencing;
+        let pool: HashSet<WorkerId> = sources.iter().map(|(w, _)| *w).collect();
+        let forgotten = fencing.tend(&pool, now, FORGET_AFTER);
+        if forgotten > 0 {
+            tracing::debug!(
+                forgotten,
+                "forgot the fencing of workers no replica has claimed for a while"
+            );
+        }
         for (w, sr) in &sources {
             let name = w.to_string();
             if state.owner_of(w) != Some(state.instance) {

@@ -302,7 +302,7 @@ impl Model {
             tails: HashMap::new(),
             tail_order: VecDeque::new(),
             seen: HashSet::new(),
-            fencing: Fencing::new(ME, Counter::default()),
+            fencing: Fencing::new(ME, Counter::default(), Counter::default()),
             shadow,
             events: EventCounters::default(),
             counts: Counts::default(),

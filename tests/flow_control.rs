@@ -275,6 +275,41 @@ async fn timeouts_limits_and_quotas_answer_429_with_a_reason() {
     server.stop().await;
 }
 
+/// A request that is not served costs its tenant no token-rate quota: one that times out in the
+/// queue, or whose client leaves while it waits, gets its units back, so a tenant retrying
+/// through saturation is not refused for its rate once capacity returns. The bucket holds 100
+/// units and refills at 1 a second; each request costs about 30: three unserved ones would
+/// leave too little for a fourth.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_is_not_served_costs_no_rate_quota() {
+    let (server, ch) = start(
+        "flow_control: {queue_timeout_ms: 400, tenants: [{id: metered, tokens_per_second: 1, burst_tokens: 100}]}",
+    )
+    .await;
+    let mut holder = Open::start(&ch, "other", 8).await;
+    assert_eq!(holder.next().await, Answer::Pick(WORKER.into()));
+    for leave in [false, true, false] {
+        let mut waiting = Open::start(&ch, "metered", 29).await;
+        assert_eq!(waiting.next().await, Answer::Override(1));
+        if leave {
+            assert!(eventually(10, || server.flow.queued() == 1).await);
+            drop(waiting);
+            assert!(eventually(10, || server.flow.queued() == 0).await);
+        } else {
+            assert_eq!(
+                waiting.next().await,
+                Answer::Refused(429, "rejected-queue-timeout".into(), Some("2".into()))
+            );
+        }
+    }
+    drop(holder);
+    assert!(eventually(10, || server.picker.workers.total_inflight() == 0).await);
+    let mut served = Open::start(&ch, "metered", 29).await;
+    assert_eq!(served.next().await, Answer::Pick(WORKER.into()));
+    drop(served);
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn debug_queues_shows_queued_tenants_by_fingerprint() {
     let (server, ch) = start(

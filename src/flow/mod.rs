@@ -142,6 +142,8 @@ struct Waiter {
     enqueued: Instant,
     tx: Option<oneshot::Sender<Outcome>>,
     outcome: Option<Outcome>,
+    /// Units taken from the tenant's token bucket, refunded if the request is not served.
+    charged: u64,
 }
 
 #[derive(Default)]
@@ -283,6 +285,16 @@ impl std::fmt::Debug for TenantSlot {
     }
 }
 
+/// Puts a refused request's `charged` units back into its tenant's bucket: a request that is
+/// not served costs no quota, so retries through saturation or an outage do not use it up.
+fn refund(usage: &mut HashMap<TenantKey, Usage>, tenant: &TenantKey, charged: u64) {
+    if charged > 0
+        && let Some(b) = usage.get_mut(tenant).and_then(|u| u.bucket.as_mut())
+    {
+        b.refund(charged);
+    }
+}
+
 fn prune(usage: &mut HashMap<TenantKey, Usage>, tenant: &TenantKey, now_ms: u64) {
     let idle = usage
         .get_mut(tenant)
@@ -389,11 +401,14 @@ impl FlowControl {
             self.count_reject(&lbl, &why);
             return Admission::Refused(why);
         }
+        let mut charged = 0;
         if let Some((rate, burst)) = rule.rate {
             let bucket = usage
                 .bucket
                 .get_or_insert_with(|| TokenBucket::new(rate, burst, now));
-            if !bucket.take(cost, now) {
+            if bucket.take(cost, now) {
+                charged = cost;
+            } else {
                 let why = Reject::TenantRate {
                     model,
                     tokens_per_second: rate,
@@ -414,6 +429,7 @@ impl FlowControl {
                 }
                 Err(Reject::Saturated { .. }) if self.settings.enabled => {}
                 Err(why) => {
+                    refund(&mut st.usage, &tenant, charged);
                     prune(&mut st.usage, &tenant, now);
                     drop(st);
                     if matches!(why, Reject::Saturated { .. }) {
@@ -424,6 +440,7 @@ impl FlowControl {
             }
         } else if !self.settings.enabled {
             // Off: nothing is ever queued, so this is unreachable; keep the old answer anyway.
+            refund(&mut st.usage, &tenant, charged);
             drop(st);
             return Admission::Refused(Reject::Saturated { model });
         }
@@ -440,6 +457,7 @@ impl FlowControl {
             enqueued,
             tx: Some(tx),
             outcome: None,
+            charged,
         };
         let id = match st
             .queue
@@ -447,6 +465,7 @@ impl FlowControl {
         {
             Ok(id) => id,
             Err(full) => {
+                refund(&mut st.usage, &tenant, charged);
                 prune(&mut st.usage, &tenant, now);
                 drop(st);
                 let why = Reject::QueueFull {
@@ -511,6 +530,7 @@ impl FlowControl {
             return false;
         };
         let now = self.now_ms();
+        refund(&mut st.usage, &w.tenant, w.charged);
         prune(&mut st.usage, &w.tenant, now);
         let queued_bytes = st.queue.bytes();
         drop(st);
@@ -580,6 +600,7 @@ impl FlowControl {
                     Offer::Taken
                 }
                 Err(why) => {
+                    refund(usage, &w.tenant, w.charged);
                     w.outcome = Some(Err(why));
                     Offer::Taken
                 }

@@ -40,6 +40,11 @@ impl TokenBucket {
         }
     }
 
+    /// Puts back `n` units taken for a request that was then refused (never above the burst).
+    pub fn refund(&mut self, n: u64) {
+        self.level = (self.level + n as f64).min(self.burst);
+    }
+
     /// Whether the bucket is full at `now_ms` (it can then be forgotten: a new one is the same).
     pub fn is_full(&mut self, now_ms: u64) -> bool {
         self.refill(now_ms);
@@ -74,5 +79,12 @@ mod tests {
         assert!(!b.take(5000, 11_000));
         assert!(b.take(5000, 12_000));
         assert_eq!(b.seconds_until(2000), 5);
+        // A refused request's units come back, up to the burst.
+        let mut b = TokenBucket::new(1000, 2000, 0);
+        assert!(b.take(1500, 0) && !b.take(1000, 0));
+        b.refund(1500);
+        assert!(b.is_full(0));
+        b.refund(1500);
+        assert!(b.take(2000, 0) && !b.take(1, 0), "not above the burst");
     }
 }

@@ -866,3 +866,50 @@ fn a_decisive_chunk_over_the_budget_stays_for_the_503() {
     drop(h);
     assert_eq!(budget.used(), 0);
 }
+
+/// With flow control off, a request refused because every worker is full costs its tenant no
+/// token-rate quota: once capacity is back, its next request is served, not refused for a rate
+/// it never used.
+#[test]
+fn a_request_refused_for_saturation_costs_no_rate_quota() {
+    const YAML: &str = "routing: {max_inflight_per_worker: 1}
+flow_control: {enabled: false, tenants: [{id: metered, tokens_per_second: 1, burst_tokens: 100}]}";
+    let settings = Config::from_yaml(YAML)
+        .unwrap()
+        .flow_control
+        .settings()
+        .unwrap();
+    let rig = router(YAML);
+    let flow = crate::flow::FlowControl::new(
+        settings,
+        rig.picker.clone(),
+        rig.metrics.flow.clone(),
+        rig.picker.workers.released(),
+    );
+    let opts = StreamOptions {
+        flow: Some(flow),
+        ..opts()
+    };
+    // About 94 units a request: a second one from the 100-unit bucket would be refused.
+    let req = br#"{"model":"m","prompt":[1,2,3,4],"max_tokens":90}"#;
+    let send = |tenant: Option<&str>| {
+        let mut h = rig.handler_with(opts.clone());
+        let mut hs = vec![(":path", "/v1/completions")];
+        if let Some(t) = tenant {
+            hs.push(("x-tenant-id", t));
+        }
+        h.on_message(headers(&hs, false, FULL_DUPLEX)).unwrap();
+        let out = h.on_message(body(req, true)).unwrap();
+        (h, immediate_status(&out).map(|i| (i.0, i.1)))
+    };
+    // Another tenant fills both workers; the metered tenant is refused for saturation.
+    let (busy1, s1) = send(None);
+    let (busy2, s2) = send(None);
+    assert!(s1.is_none() && s2.is_none());
+    let (_, s) = send(Some("metered"));
+    assert!(s.unwrap().1.contains("in-flight limit"), "saturated");
+    drop((busy1, busy2));
+    assert_eq!(rig.total_inflight(), 0);
+    let (_served, s) = send(Some("metered"));
+    assert!(s.is_none(), "refused for a rate it never used: {s:?}");
+}

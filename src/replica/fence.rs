@@ -64,10 +64,17 @@ pub(crate) const MAX_EPOCH: u64 = ((1 << 31) + 2) << 32;
 /// longer finds its lease lapsed and drains nothing until it has heard its peers again).
 pub(crate) const FORGET_AFTER: Duration = Duration::from_secs(600);
 
-/// Most workers outside this replica's pool it tracks at once (a pool's workers are always
-/// tracked). A deployment's churn within [`FORGET_AFTER`] stays far below it; a peer that names
-/// more is refused and counted.
-pub(crate) const MAX_FOREIGN: usize = 65_536;
+/// Most workers outside this replica's pool it tracks at once (a pool's workers, and workers
+/// whose batches it applies, are always tracked). A deployment's churn within [`FORGET_AFTER`]
+/// stays far below it; a peer that names more is refused and counted. Their fences in a
+/// `Hello` come to about 0.9 MB, well under `peers.max_message_bytes`.
+pub(crate) const MAX_FOREIGN: usize = 16_384;
+
+/// The highest epoch a forgotten worker raises the floor to. Only a broken or hostile peer
+/// sends epochs above it (a Lease's floor is at most `MAX_EPOCH - 2^32`); capped, such an
+/// epoch cannot push every later claim, on any worker, past [`MAX_EPOCH`], where peers would
+/// refuse them.
+const FLOOR_CAP: u64 = MAX_EPOCH - (1 << 32);
 
 /// This replica's claim on a source.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -142,10 +149,30 @@ struct Inner {
 /// Where a peer's claim comes from ([`Fencing::observe_claim`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Heard {
-    /// In the claimer's own `Hello`.
+    /// In the claimer's own `Hello`, or passed on by a peer whose pool has the worker (or that
+    /// does not say): it keeps the worker tracked.
     Direct,
-    /// Passed on by another peer (its `fences`).
+    /// Passed on by a peer whose pool lacks the worker.
     Relayed,
+}
+
+impl Heard {
+    /// How a fence on `worker` passed on in a peer's `Hello.fences` counts, given that peer's
+    /// pool (`None`: it does not say, as before pools were exchanged). A peer that has the
+    /// worker knows it is live, so what it passes on keeps the worker tracked here too: a
+    /// replica whose pool lacks the worker still carries the fence on, from a pool holder that
+    /// learned it second-hand to a replica that cannot hear the drainer. Only fences passed
+    /// between replicas that all lack the worker stop being taken in, which is what lets them
+    /// forget it.
+    pub(crate) fn of_fence(
+        sender_pool: Option<&std::collections::HashSet<String>>,
+        worker: &str,
+    ) -> Heard {
+        match sender_pool {
+            Some(pool) if !pool.contains(worker) => Heard::Relayed,
+            _ => Heard::Direct,
+        }
+    }
 }
 
 /// Claims, leases and fences of one replica.
@@ -471,13 +498,8 @@ impl Fencing {
             return Verdict::OutOfRange;
         }
         let mut st = self.inner.lock();
-        if !st.touched.contains_key(&w) {
-            // A batch of a worker this replica does not track (none in its pool while it
-            // tracks MAX_FOREIGN others: nothing applies it here) is judged without a trace.
-            if st.foreign >= MAX_FOREIGN {
-                return Verdict::Accepted;
-            }
-        }
+        // Batches are judged only for workers this replica runs (the caller placed them), so
+        // these are bounded by its worker list.
         st.touch(w, Instant::now());
         let seen = st.seen.entry(w).or_insert(0);
         *seen = (*seen).max(ticket.epoch);
@@ -544,7 +566,7 @@ impl Fencing {
                 || now.saturating_duration_since(*t) < idle
                 || claims.contains_key(w);
             if !keep {
-                *floor = (*floor).max(seen.remove(w).unwrap_or(0));
+                *floor = (*floor).max(seen.remove(w).unwrap_or(0).min(FLOOR_CAP));
                 fences.remove(w);
                 diverged.remove(w);
                 flagged_cuts.remove(w);
@@ -858,25 +880,100 @@ mod tests {
             f.fences().iter().any(|(w, _)| *w == own),
             "a pool worker is"
         );
-        // A batch of one more foreign worker is judged without a trace.
+        // A batch (only ever judged for a worker this replica runs) is tracked and fenced.
         let extra = worker(MAX_FOREIGN as u32 + 200);
         let t = Ticket {
             epoch: 3,
             prev: None,
         };
         assert!(f.accept_batch(extra, 2, 0, t));
-        assert_eq!(f.tracked(), MAX_FOREIGN + 1);
-        let pool: HashSet<WorkerId> = [own].into();
+        assert_eq!(f.tracked(), MAX_FOREIGN + 2);
+        assert!(f.superseded_fence(&extra, 3));
+        let pool: HashSet<WorkerId> = [own, extra].into();
         assert_eq!(f.tend(&pool, t0 + idle * 2, idle), MAX_FOREIGN);
         f.observe_claim(
-            extra,
+            worker(1),
             Heard::Direct,
             false,
             heard(1, 2),
             false,
             Instant::now(),
         );
-        assert_eq!(f.tracked(), 2);
+        assert_eq!(f.tracked(), 3);
         assert_eq!(untracked.get(), 10);
+    }
+    /// A fence has to travel through a replica whose pool lacks the worker: O drains W; Q
+    /// (W in its pool) hears O; C (no W) hears only Q; A (W in its pool) hears only C. C must
+    /// take Q's fence in and pass it on, because Q has W: A then claims above O, names O as
+    /// the previous owner, and O, hearing A's claim through Q, stands down. Had C dropped the
+    /// fence, A would claim at 1, below O's 57: O would keep draining beside A, and Q would
+    /// refuse A's batches.
+    #[test]
+    fn a_fence_passes_through_a_replica_that_lacks_the_worker() {
+        let (o, q, c, a) = (10u64, 20u64, 30u64, 40u64);
+        let t = Instant::now() + Duration::from_secs(60);
+        let now = Instant::now();
+        let wk = w();
+        let name = wk.to_string();
+        let with_w: HashSet<String> = [name.clone()].into();
+        let without_w: HashSet<String> = HashSet::new();
+        let pass = |from: &Fencing, from_pool: &HashSet<String>, to: &Fencing, to_has: bool| {
+            for (wi, fe) in from.fences() {
+                let heard = Heard::of_fence(Some(from_pool), &wi.to_string());
+                to.observe_claim(wi, heard, to_has, fe, true, now);
+            }
+        };
+        let of = fencing(o);
+        observe(&of, 99, 56, false, None);
+        assert_eq!(of.claim_above(wk, 0), 57);
+        of.activate(&wk, None, t);
+        let qf = fencing(q);
+        observe(&qf, o, 57, true, None);
+        let cf = fencing(c);
+        pass(&qf, &with_w, &cf, false);
+        let af = fencing(a);
+        pass(&cf, &without_w, &af, true);
+        assert_eq!(af.claim_above(wk, 0), 58, "A claims above O");
+        let prev = af.previous_owner(&wk).map(|p| (p, 0));
+        assert_eq!(prev, Some((o, 0)), "and names O");
+        af.activate(&wk, prev, t);
+        let mine = af.claim_of(&wk).unwrap();
+        let claim = Fence {
+            epoch: mine.epoch,
+            owner: a,
+            prev: mine.prev,
+        };
+        qf.observe_claim(wk, Heard::Direct, true, claim, true, now);
+        pass(&qf, &with_w, &of, true);
+        let tk = af.admit(&wk, now).expect("A drains");
+        assert!(qf.accept_batch(wk, a, 0, tk), "Q applies A's batches");
+        assert!(of.admit(&wk, now).is_none(), "O no longer drains");
+        // Between replicas that both lack W, a passed-on fence does not keep it tracked.
+        assert_eq!(Heard::of_fence(Some(&without_w), &name), Heard::Relayed);
+        assert_eq!(
+            Heard::of_fence(None, &name),
+            Heard::Direct,
+            "a peer that does not say"
+        );
+    }
+
+    /// A peer's epoch at the very top of the range, on a worker outside the pool, is forgotten
+    /// like any other; the floor it leaves is capped, so later claims stay in range and their
+    /// batches are applied.
+    #[test]
+    fn an_extreme_forgotten_epoch_does_not_push_later_claims_out_of_range() {
+        let idle = Duration::from_secs(600);
+        let t0 = Instant::now();
+        let (a, b) = (w(), worker(2));
+        let pool: HashSet<WorkerId> = [a].into();
+        let f = fencing(1);
+        f.tend(&pool, t0, idle);
+        f.observe_claim(b, Heard::Direct, false, heard(MAX_EPOCH, 2), true, t0);
+        assert_eq!(f.tend(&pool, t0 + idle * 2, idle), 1);
+        let e = f.claim_above(a, 0);
+        assert!(e <= MAX_EPOCH, "{e}");
+        f.activate(&a, None, Instant::now() + Duration::from_secs(60));
+        let tk = f.admit(&a, Instant::now()).unwrap();
+        assert!(f.accept_batch(a, 1, 0, tk));
     }
 }

@@ -295,9 +295,16 @@ pub(crate) async fn probe_loop(state: Arc<ReplicaState>) {
                     if m.refused.lock().remove(&addr).is_some() {
                         tracing::info!(peer = %addr, "peer accepts our token again");
                     }
+                    let sender_pool: Option<HashSet<String>> = reply
+                        .sources_known
+                        .then(|| reply.sources.iter().cloned().collect());
                     let direct = reply.claims.iter().map(|c| (Heard::Direct, c));
-                    let relayed = reply.fences.iter().filter(|f| f.owner != 0);
-                    for (heard, c) in direct.chain(relayed.map(|c| (Heard::Relayed, c))) {
+                    let relayed = reply
+                        .fences
+                        .iter()
+                        .filter(|f| f.owner != 0)
+                        .map(|c| (Heard::of_fence(sender_pool.as_ref(), &c.worker), c));
+                    for (heard, c) in direct.chain(relayed) {
                         if let Ok(w) = c.worker.parse() {
                             let prev = (c.prev_origin != 0).then_some((c.prev_origin, c.prev_seq));
                             let owner = if c.owner == 0 {

@@ -57,6 +57,24 @@ pub enum Reject {
         /// The limit in bytes.
         limit: usize,
     },
+    /// Envoy sent only part of the body (BUFFERED_PARTIAL over its buffer limit): 413 (found by
+    /// the edge).
+    #[error(
+        "Envoy sent only the first part of the request body (BUFFERED_PARTIAL over its buffer \
+         limit); kv-epp needs all of it to route and to forward the cache salt: use \
+         FULL_DUPLEX_STREAMED, or raise the buffer limit"
+    )]
+    PartialBody,
+    /// Envoy's request body mode (STREAMED, NONE) cannot carry a body-aware decision: 500
+    /// (found by the edge at the request headers).
+    #[error(
+        "the ext_proc filter sends request bodies as {mode}, which cannot carry a routing \
+         decision: set request_body_mode to FULL_DUPLEX_STREAMED (or BUFFERED)"
+    )]
+    UnsupportedBodyMode {
+        /// The mode's name in Envoy's configuration.
+        mode: &'static str,
+    },
     /// Envoy sent nothing for `after_ms` milliseconds before the decision
     /// (`routing.stream_idle_timeout_ms`): 408 (found by the edge while waiting).
     #[error("no request data for {after_ms} ms")]
@@ -135,7 +153,8 @@ impl Reject {
             | Reject::PromptTooLong { .. } => 400,
             Reject::UnknownModel(_) => 404,
             Reject::StreamIdle { .. } => 408,
-            Reject::BodyTooLarge { .. } => 413,
+            Reject::BodyTooLarge { .. } | Reject::PartialBody => 413,
+            Reject::UnsupportedBodyMode { .. } => 500,
             Reject::Saturated { .. }
             | Reject::QueueFull { .. }
             | Reject::QueueTimeout { .. }
@@ -152,7 +171,8 @@ impl Reject {
             Reject::BadSalt(_) => "bad-cache-salt",
             Reject::UnknownModel(_) => "model-not-found",
             Reject::PromptTooLong { .. } => "prompt-too-long",
-            Reject::BodyTooLarge { .. } => "body-too-large",
+            Reject::BodyTooLarge { .. } | Reject::PartialBody => "body-too-large",
+            Reject::UnsupportedBodyMode { .. } => "unsupported-body-mode",
             Reject::StreamIdle { .. } => "stream-idle-timeout",
             Reject::BufferFull { .. } => "rejected-buffer-full",
             Reject::NoEndpoints { .. } => "rejected-no-endpoints",
@@ -171,7 +191,8 @@ impl Reject {
             Reject::BadSalt(_) => "rejected_bad_salt",
             Reject::UnknownModel(_) => "rejected_unknown_model",
             Reject::PromptTooLong { .. } => "rejected_prompt_too_long",
-            Reject::BodyTooLarge { .. } => "rejected_too_large",
+            Reject::BodyTooLarge { .. } | Reject::PartialBody => "rejected_too_large",
+            Reject::UnsupportedBodyMode { .. } => "rejected_body_mode",
             Reject::StreamIdle { .. } => "rejected_idle_timeout",
             Reject::BufferFull { .. } => "rejected_buffer_full",
             Reject::NoEndpoints { .. } => "rejected_no_endpoints",
@@ -199,6 +220,8 @@ impl Reject {
             Reject::BadRequest(_)
             | Reject::BadSalt(_)
             | Reject::BodyTooLarge { .. }
+            | Reject::PartialBody
+            | Reject::UnsupportedBodyMode { .. }
             | Reject::StreamIdle { .. }
             | Reject::BufferFull { .. } => "",
         }
@@ -253,6 +276,8 @@ mod tests {
                 max: 8,
             },
             Reject::BodyTooLarge { limit: 1 },
+            Reject::PartialBody,
+            Reject::UnsupportedBodyMode { mode: "STREAMED" },
             Reject::StreamIdle { after_ms: 1 },
             Reject::BufferFull { budget: 1 },
             Reject::NoEndpoints {
@@ -286,6 +311,8 @@ mod tests {
                 | Reject::UnknownModel(_)
                 | Reject::PromptTooLong { .. }
                 | Reject::BodyTooLarge { .. }
+                | Reject::PartialBody
+                | Reject::UnsupportedBodyMode { .. }
                 | Reject::StreamIdle { .. }
                 | Reject::BufferFull { .. }
                 | Reject::NoEndpoints { .. }

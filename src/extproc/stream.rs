@@ -70,6 +70,12 @@ const SERVED_KEY: &str = "x-gateway-destination-endpoint-served";
 const CONFORMANCE_SELECT: &str = "test-epp-endpoint-selection";
 const CONFORMANCE_SERVED: &str = "x-conformance-test-served-endpoint";
 
+// envoy.extensions.filters.http.ext_proc.v3.ProcessingMode.BodySendMode values.
+const SEND_NONE: i32 = 0;
+const SEND_STREAMED: i32 = 1;
+const SEND_BUFFERED_PARTIAL: i32 = 3;
+const SEND_FULL_DUPLEX: i32 = 4;
+
 /// Body handling Envoy announced in `protocol_config`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum BodyMode {
@@ -145,6 +151,8 @@ pub struct StreamHandler {
     metrics: Arc<Metrics>,
     opts: StreamOptions,
     request_mode: BodyMode,
+    /// The request body mode as Envoy announced it (`SEND_*`).
+    request_send: i32,
     response_mode: BodyMode,
     /// Whether Envoy sends response bodies at all (response body mode other than NONE).
     response_body_sent: bool,
@@ -177,6 +185,7 @@ impl StreamHandler {
             metrics,
             opts,
             request_mode: BodyMode::FullDuplex,
+            request_send: SEND_FULL_DUPLEX,
             response_mode: BodyMode::FullDuplex,
             response_body_sent: true,
             state: State::AwaitHeaders,
@@ -216,12 +225,20 @@ impl StreamHandler {
     pub fn decides_on(&self, msg: &ProcessingRequest) -> Option<usize> {
         match (&self.state, msg.request.as_ref()?) {
             (State::AwaitHeaders, Request::RequestHeaders(h)) if h.end_of_stream => Some(0),
-            (State::CollectBody { body, .. }, Request::RequestBody(b)) if b.end_of_stream => {
+            (State::CollectBody { body, .. }, Request::RequestBody(b))
+                if b.end_of_stream || self.buffered_whole() =>
+            {
                 Some(body.len() + b.body.len())
             }
             (State::CollectBody { body, .. }, Request::RequestTrailers(_)) => Some(body.len()),
             _ => None,
         }
+    }
+
+    /// Whether every request body message is the whole body (BUFFERED: it comes without
+    /// end-of-stream when trailers follow).
+    fn buffered_whole(&self) -> bool {
+        self.request_mode == BodyMode::Buffered && self.request_send != SEND_BUFFERED_PARTIAL
     }
 
     /// Whether the decision `msg` makes may run on the calling (I/O) thread: it needs no
@@ -286,6 +303,7 @@ impl StreamHandler {
         // announcement would make answers leave the phase Envoy expects them in.
         if let (Some(pc), State::AwaitHeaders) = (&msg.protocol_config, &self.state) {
             self.request_mode = BodyMode::from_proto(pc.request_body_mode);
+            self.request_send = pc.request_body_mode;
             self.response_mode = BodyMode::from_proto(pc.response_body_mode);
             // envoy.extensions.filters.http.ext_proc.v3.ProcessingMode.BodySendMode.NONE
             self.response_body_sent = pc.response_body_mode != 0;
@@ -319,6 +337,15 @@ impl StreamHandler {
                     // The body moves into the decision; the guard returns its bytes after it
                     // (or after the queue, when the request waits there).
                     self.decide(head, body, true, held, false)
+                } else if self.request_send == SEND_BUFFERED_PARTIAL {
+                    // Over Envoy's buffer limit: the rest would go upstream unseen, so neither
+                    // the prompt nor the salt's rewrite can be had.
+                    self.refuse(&Reject::PartialBody)
+                } else if self.buffered_whole() {
+                    // BUFFERED sends the whole body in one message, without end-of-stream when
+                    // trailers follow (sent after our answer, or skipped): decide now, or
+                    // Envoy waits for an answer that never comes.
+                    self.decide(head, body, false, held, false)
                 } else {
                     (State::CollectBody { head, body, held }, Vec::new())
                 }
@@ -439,6 +466,16 @@ impl StreamHandler {
         if h.end_of_stream {
             // No body follows: route on load alone, answer now.
             return self.route_and_answer(head, None, Phase::RequestHeaders, true, None, false);
+        }
+        // STREAMED lets the headers go upstream before any body response, and NONE sends no
+        // body: a body-aware decision cannot be made, nor the salt forwarded in the body.
+        let unsupported = match self.request_send {
+            SEND_NONE => Some("NONE"),
+            SEND_STREAMED => Some("STREAMED"),
+            _ => None,
+        };
+        if let Some(mode) = unsupported {
+            return self.refuse(&Reject::UnsupportedBodyMode { mode });
         }
         let held = self.opts.body_budget.hold();
         match self.request_mode {

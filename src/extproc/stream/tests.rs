@@ -913,3 +913,76 @@ flow_control: {enabled: false, tenants: [{id: metered, tokens_per_second: 1, bur
     let (_served, s) = send(Some("metered"));
     assert!(s.is_none(), "refused for a rate it never used: {s:?}");
 }
+
+/// BUFFERED sends the whole body in one message; with trailers it comes without end-of-stream
+/// and Envoy waits for the answer (then sends the trailers when their mode is SEND). It is
+/// answered at once, and the trailers after it.
+#[test]
+fn a_buffered_body_followed_by_trailers_is_answered() {
+    let r = router("");
+    let mut h = r.handler();
+    let out = h
+        .on_message(headers(&[(":path", "/v1/completions")], false, BUFFERED))
+        .unwrap();
+    assert_eq!(out.len(), 1, "headers answered at once");
+    let msg = body(br#"{"model":"m","prompt":[1,2,3,4,5,6,7,8]}"#, false);
+    assert!(
+        h.decides_on(&msg).is_some(),
+        "a decision (on a lane if large)"
+    );
+    let out = h.on_message(msg).unwrap();
+    let (dest, ..) = routing_of(&out);
+    assert!(dest.starts_with("10.0.0."), "routed: {out:?}");
+    let out = h
+        .on_message(message(Request::RequestTrailers(Default::default())))
+        .unwrap();
+    assert_eq!(out.len(), 1, "trailers answered");
+    assert_eq!(r.total_inflight(), 1);
+}
+
+/// Modes that cannot carry a routing decision are refused with a reason instead of leaving
+/// Envoy waiting: STREAMED and NONE at the request headers (500 `unsupported-body-mode`), and a
+/// BUFFERED_PARTIAL body cut at Envoy's buffer limit (413). A whole BUFFERED_PARTIAL body, and
+/// a body-less request in any mode, are routed. Nothing stays booked or buffered.
+#[test]
+fn body_modes_that_cannot_carry_a_decision_are_refused_with_a_reason() {
+    const STREAMED: i32 = 1;
+    const PARTIAL: i32 = 3;
+    let r = router("");
+    let req = br#"{"model":"m","prompt":[1,2,3,4,5,6,7,8]}"#;
+    for (mode, name) in [(STREAMED, "STREAMED"), (0, "NONE")] {
+        let mut h = r.handler();
+        let out = h
+            .on_message(headers(&[(":path", "/v1/completions")], false, mode))
+            .unwrap();
+        let (code, text, _) = immediate_status(&out).expect("refused");
+        assert_eq!(code, 500, "{name}");
+        assert!(
+            text.contains(name) && text.contains("FULL_DUPLEX_STREAMED"),
+            "{text}"
+        );
+        assert!(h.is_finished());
+        // Body-less: routed on load, whatever the mode.
+        let mut h = r.handler();
+        let out = h
+            .on_message(headers(&[(":path", "/v1/models")], true, mode))
+            .unwrap();
+        assert!(immediate_status(&out).is_none(), "{name}: {out:?}");
+    }
+    let mut h = r.handler();
+    h.on_message(headers(&[(":path", "/v1/completions")], false, PARTIAL))
+        .unwrap();
+    let out = h.on_message(body(&req[..10], false)).unwrap();
+    let (code, text, _) = immediate_status(&out).expect("refused");
+    assert_eq!(code, 413);
+    assert!(text.contains("BUFFERED_PARTIAL"), "{text}");
+    let mut h = r.handler();
+    h.on_message(headers(&[(":path", "/v1/completions")], false, PARTIAL))
+        .unwrap();
+    let out = h.on_message(body(req, true)).unwrap();
+    assert!(routing_of(&out).0.starts_with("10.0.0."), "{out:?}");
+    drop(h);
+    assert_eq!(r.total_inflight(), 0);
+    let text = r.metrics.encode();
+    assert!(text.contains("outcome=\"rejected_body_mode\""), "{text}");
+}

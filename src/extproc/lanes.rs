@@ -162,6 +162,14 @@ impl DecisionLanes {
     }
 }
 
+impl DecisionLanes {
+    /// Permits of the large lane free right now.
+    #[cfg(test)]
+    pub(crate) fn large_free(&self) -> usize {
+        self.large.available_permits()
+    }
+}
+
 fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
     p.downcast_ref::<&str>()
         .map(|s| (*s).to_owned())

@@ -100,6 +100,8 @@ async fn run_stream(
     max_body_bytes: usize,
     lanes: DecisionLanes,
 ) {
+    // A message that arrived while a decision ran on a lane: handled next.
+    let mut pending: Option<ProcessingRequest> = None;
     loop {
         if let Some(ticket) = handler.ticket() {
             // Queued by flow control: wait for capacity (or the queue timeout) while watching the
@@ -141,7 +143,9 @@ async fn run_stream(
                 }
             }
         }
-        let next = if handler.decision().is_none() {
+        let next = if let Some(msg) = pending.take() {
+            Ok(Some(msg))
+        } else if handler.decision().is_none() {
             match tokio::time::timeout(limits.idle_before_decision, inbound.message()).await {
                 Ok(next) => next,
                 Err(_) => {
@@ -184,7 +188,24 @@ async fn run_stream(
                     let out = handler.on_message(msg);
                     (handler, out)
                 };
-                match lanes.run(body_bytes, work).await {
+                // While it waits for a lane (behind other large bodies) or runs, the stream is
+                // watched: a client that goes away drops the work, and with it the handler, its
+                // buffered body and its share of the budget, instead of being decided in turn.
+                let decided = lanes.run(body_bytes, work);
+                tokio::pin!(decided);
+                let ran = loop {
+                    tokio::select! {
+                        ran = &mut decided => break ran,
+                        next = inbound.message(), if pending.is_none() => match next {
+                            Ok(Some(msg)) => pending = Some(msg),
+                            _ => {
+                                count_error(&metrics, "reset_while_deciding");
+                                return;
+                            }
+                        },
+                    }
+                };
+                match ran {
                     Ok((back, out)) => {
                         handler = back;
                         out
@@ -263,4 +284,138 @@ fn count_error(metrics: &Metrics, kind: &str) {
         .stream_errors
         .get_or_create(&Metrics::labels(&[("kind", kind)]))
         .inc();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::extproc::budget::BodyBudget;
+    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+    use envoy_types::pb::envoy::service::ext_proc::v3::ProtocolConfiguration;
+    use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+    use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Req;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, HttpHeaders};
+
+    async fn eventually(mut f: impl FnMut() -> bool) -> bool {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while std::time::Instant::now() < deadline {
+            if f() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        f()
+    }
+
+    /// A client that goes away while its decision waits for the large lane (busy with another
+    /// body) is dropped at once: its buffered body leaves the budget and the stream is counted
+    /// as `reset_while_deciding`, while the lane is still busy. Before, the work (and the body)
+    /// waited for the lane and was then decided for nobody.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_gone_while_its_decision_waits_for_a_lane_is_dropped_at_once() {
+        let c = Config::from_yaml(
+            "models: [{name: m, block_size: 4}]\nworkers: [{endpoint: '10.0.0.1:8000', model: m}]",
+        )
+        .unwrap();
+        let metrics = Arc::new(Metrics::new());
+        let picker = Arc::new(c.picker(metrics.clone()).unwrap());
+        let budget = BodyBudget::new(1 << 30, metrics.buffered_body_bytes.clone());
+        let opts = StreamOptions {
+            max_body_bytes: 4 << 20,
+            retry_after_seconds: 2,
+            conformance_hooks: false,
+            body_budget: budget.clone(),
+            flow: None,
+        };
+        let limits = StreamLimits {
+            idle_before_decision: Duration::from_secs(60),
+            decision_threads: 1,
+            large_body_decision_threads: 1,
+        };
+        let service = ExtProcService::new(picker, metrics.clone(), opts, limits);
+        // Another body holds the large lane until released.
+        let lanes = service.lanes.clone();
+        let (release, wait) = std::sync::mpsc::channel::<()>();
+        let busy = tokio::spawn({
+            let lanes = lanes.clone();
+            async move { lanes.run(1 << 20, move || wait.recv().ok()).await }
+        });
+        assert!(eventually(|| lanes.large_free() == 0).await);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(ExternalProcessorServer::new(service))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        let mut client = ExternalProcessorClient::connect(format!("http://{addr}"))
+            .await
+            .unwrap();
+        // A token-ID prompt over 256 KiB: decided on the large lane, not inline.
+        let prompt: Vec<String> = (0..60_000).map(|i| (i % 30_000).to_string()).collect();
+        let body = format!(r#"{{"model":"m","prompt":[{}]}}"#, prompt.join(","));
+        let (tx, rx) = mpsc::channel(4);
+        tx.send(ProcessingRequest {
+            protocol_config: Some(ProtocolConfiguration {
+                request_body_mode: 4,
+                response_body_mode: 4,
+                ..Default::default()
+            }),
+            request: Some(Req::RequestHeaders(HttpHeaders {
+                headers: Some(HeaderMap {
+                    headers: vec![HeaderValue {
+                        key: ":path".into(),
+                        value: String::new(),
+                        raw_value: b"/v1/completions".to_vec(),
+                    }],
+                }),
+                end_of_stream: false,
+                ..Default::default()
+            })),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        // In two chunks: the first is held (in the budget) while the last waits for the lane.
+        let (first, last) = body.as_bytes().split_at(body.len() / 2);
+        for (chunk, end) in [(first, false), (last, true)] {
+            tx.send(ProcessingRequest {
+                request: Some(Req::RequestBody(HttpBody {
+                    body: chunk.to_vec(),
+                    end_of_stream: end,
+                    ..Default::default()
+                })),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        }
+        let stream = client
+            .process(ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(
+            eventually(|| budget.used() >= first.len()).await,
+            "the body is held while its decision waits"
+        );
+        // The client goes away (Envoy resets the stream).
+        drop(stream);
+        drop(tx);
+        drop(client);
+        let gone = |m: &Metrics| {
+            let text = m.encode();
+            text.contains("kv_epp_stream_errors_total{kind=\"reset_while_deciding\"} 1")
+        };
+        assert!(
+            eventually(|| budget.used() == 0 && gone(&metrics)).await,
+            "dropped while the lane is still busy: {} bytes held",
+            budget.used()
+        );
+        assert_eq!(lanes.large_free(), 0, "the other body still holds the lane");
+        release.send(()).unwrap();
+        busy.await.unwrap().unwrap();
+    }
 }

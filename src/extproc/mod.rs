@@ -191,18 +191,27 @@ async fn run_stream(
                 // While it waits for a lane (behind other large bodies) or runs, the stream is
                 // watched: a client that goes away drops the work, and with it the handler, its
                 // buffered body and its share of the budget, instead of being decided in turn.
+                // A half-close is no reason to stop: a client may end its side once it has sent
+                // everything and still read the answers; a reset, or the answers' receiver
+                // gone, is.
                 let decided = lanes.run(body_bytes, work);
                 tokio::pin!(decided);
+                let mut reading = true;
                 let ran = loop {
                     tokio::select! {
                         ran = &mut decided => break ran,
-                        next = inbound.message(), if pending.is_none() => match next {
+                        next = inbound.message(), if reading && pending.is_none() => match next {
                             Ok(Some(msg)) => pending = Some(msg),
-                            _ => {
+                            Ok(None) => reading = false,
+                            Err(_) => {
                                 count_error(&metrics, "reset_while_deciding");
                                 return;
                             }
                         },
+                        _ = tx.closed() => {
+                            count_error(&metrics, "reset_while_deciding");
+                            return;
+                        }
                     }
                 };
                 match ran {
@@ -356,47 +365,54 @@ mod tests {
         // A token-ID prompt over 256 KiB: decided on the large lane, not inline.
         let prompt: Vec<String> = (0..60_000).map(|i| (i % 30_000).to_string()).collect();
         let body = format!(r#"{{"model":"m","prompt":[{}]}}"#, prompt.join(","));
-        let (tx, rx) = mpsc::channel(4);
-        tx.send(ProcessingRequest {
-            protocol_config: Some(ProtocolConfiguration {
-                request_body_mode: 4,
-                response_body_mode: 4,
-                ..Default::default()
-            }),
-            request: Some(Req::RequestHeaders(HttpHeaders {
-                headers: Some(HeaderMap {
-                    headers: vec![HeaderValue {
-                        key: ":path".into(),
-                        value: String::new(),
-                        raw_value: b"/v1/completions".to_vec(),
-                    }],
-                }),
-                end_of_stream: false,
-                ..Default::default()
-            })),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-        // In two chunks: the first is held (in the budget) while the last waits for the lane.
         let (first, last) = body.as_bytes().split_at(body.len() / 2);
-        for (chunk, end) in [(first, false), (last, true)] {
-            tx.send(ProcessingRequest {
-                request: Some(Req::RequestBody(HttpBody {
-                    body: chunk.to_vec(),
-                    end_of_stream: end,
+        // Headers, then the body in two chunks: the first is held (in the budget) while the
+        // last waits for the lane.
+        let open = |client: &mut ExternalProcessorClient<tonic::transport::Channel>| {
+            let mut client = client.clone();
+            let (first, last) = (first.to_vec(), last.to_vec());
+            async move {
+                let (tx, rx) = mpsc::channel(4);
+                let head = ProcessingRequest {
+                    protocol_config: Some(ProtocolConfiguration {
+                        request_body_mode: 4,
+                        response_body_mode: 4,
+                        ..Default::default()
+                    }),
+                    request: Some(Req::RequestHeaders(HttpHeaders {
+                        headers: Some(HeaderMap {
+                            headers: vec![HeaderValue {
+                                key: ":path".into(),
+                                value: String::new(),
+                                raw_value: b"/v1/completions".to_vec(),
+                            }],
+                        }),
+                        end_of_stream: false,
+                        ..Default::default()
+                    })),
                     ..Default::default()
-                })),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-        }
-        let stream = client
-            .process(ReceiverStream::new(rx))
-            .await
-            .unwrap()
-            .into_inner();
+                };
+                tx.send(head).await.unwrap();
+                for (chunk, end) in [(first, false), (last, true)] {
+                    let msg = ProcessingRequest {
+                        request: Some(Req::RequestBody(HttpBody {
+                            body: chunk,
+                            end_of_stream: end,
+                            ..Default::default()
+                        })),
+                        ..Default::default()
+                    };
+                    tx.send(msg).await.unwrap();
+                }
+                let stream = client
+                    .process(ReceiverStream::new(rx))
+                    .await
+                    .unwrap()
+                    .into_inner();
+                (tx, stream)
+            }
+        };
+        let (tx, stream) = open(&mut client).await;
         assert!(
             eventually(|| budget.used() >= first.len()).await,
             "the body is held while its decision waits"
@@ -404,7 +420,6 @@ mod tests {
         // The client goes away (Envoy resets the stream).
         drop(stream);
         drop(tx);
-        drop(client);
         let gone = |m: &Metrics| {
             let text = m.encode();
             text.contains("kv_epp_stream_errors_total{kind=\"reset_while_deciding\"} 1")
@@ -415,7 +430,25 @@ mod tests {
             budget.used()
         );
         assert_eq!(lanes.large_free(), 0, "the other body still holds the lane");
+        // A client that ends its side once it has sent everything (a half-close) still gets
+        // its answer when the lane frees.
+        let (tx, mut stream) = open(&mut client).await;
+        drop(tx);
+        assert!(eventually(|| budget.used() >= first.len()).await);
         release.send(()).unwrap();
         busy.await.unwrap().unwrap();
+        let answer = tokio::time::timeout(Duration::from_secs(30), stream.message())
+            .await
+            .expect("an answer")
+            .unwrap()
+            .expect("the decision");
+        assert!(
+            matches!(
+                answer.response,
+                Some(envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response::RequestHeaders(_))
+            ),
+            "{answer:?}"
+        );
+        assert!(gone(&metrics), "counted once");
     }
 }

@@ -105,16 +105,84 @@ pub(crate) fn incoming(listener: TcpListener) -> TcpIncoming {
 
 /// An HTTP listener (metrics, admin) whose accepted connections have TCP_NODELAY set, for the
 /// same reason as [`incoming`]: a response written in pieces must not wait on Nagle.
-pub(crate) fn http_incoming(
-    listener: TcpListener,
-) -> axum::serve::TapIo<TcpListener, fn(&mut tokio::net::TcpStream)> {
-    use axum::serve::ListenerExt;
-    fn nodelay(tcp: &mut tokio::net::TcpStream) {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "could not set TCP_NODELAY on an HTTP connection");
-        }
+pub(crate) async fn accept_http(
+    listener: &TcpListener,
+) -> std::io::Result<(tokio::net::TcpStream, SocketAddr)> {
+    let (tcp, peer) = listener.accept().await?;
+    if let Err(e) = tcp.set_nodelay(true) {
+        tracing::debug!(error = %e, "could not set TCP_NODELAY on an HTTP connection");
     }
-    listener.tap_io(nodelay as fn(&mut tokio::net::TcpStream))
+    Ok((tcp, peer))
+}
+
+/// Most connections one HTTP port (metrics, admin) serves at once; more are closed as they are
+/// accepted. A scraper or an operator needs a handful.
+const MAX_HTTP_CONNECTIONS: usize = 256;
+/// Longest wait for a request's headers, also between requests on a kept-alive connection.
+const HTTP_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest a request may take, its body read included (408 after it).
+const HTTP_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Serves `app` (HTTP/1.1) on `listener` until `stop` fires. Whoever reaches these ports is
+/// untrusted until its token is checked, which needs its headers: connections are capped
+/// ([`MAX_HTTP_CONNECTIONS`]), headers must arrive within [`HTTP_HEADER_TIMEOUT`] and a request
+/// must be done within [`HTTP_REQUEST_TIMEOUT`], so a client that sends half a request, or
+/// trickles a body, neither keeps a connection nor piles them up. Every connection has
+/// TCP_NODELAY; handlers see the peer as `ConnectInfo<SocketAddr>`.
+async fn serve_http(
+    what: &'static str,
+    listener: TcpListener,
+    app: axum::Router,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_HTTP_CONNECTIONS));
+    loop {
+        let accepted = tokio::select! {
+            r = accept_http(&listener) => r,
+            _ = stop.wait_for(|s| *s) => return,
+        };
+        let (tcp, peer) = match accepted {
+            Ok(c) => c,
+            Err(e) => {
+                // Out of descriptors, or a connection reset before it was accepted: go on.
+                tracing::debug!(listener = what, error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            tracing::debug!(listener = what, %peer, "too many connections: closing a new one");
+            continue;
+        };
+        let app = app.clone();
+        tokio::spawn(async move {
+            let _slot = slot;
+            let service = hyper::service::service_fn(
+                move |mut req: hyper::Request<hyper::body::Incoming>| {
+                    req.extensions_mut()
+                        .insert(axum::extract::ConnectInfo(peer));
+                    let app = app.clone();
+                    async move {
+                        let call = tower::ServiceExt::oneshot(app, req);
+                        match tokio::time::timeout(HTTP_REQUEST_TIMEOUT, call).await {
+                            Ok(answer) => answer,
+                            Err(_) => Ok(axum::response::IntoResponse::into_response((
+                                axum::http::StatusCode::REQUEST_TIMEOUT,
+                                "request not completed in time\n",
+                            ))),
+                        }
+                    }
+                },
+            );
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HTTP_HEADER_TIMEOUT)
+                .serve_connection(hyper_util::rt::TokioIo::new(tcp), service);
+            if let Err(e) = conn.await {
+                tracing::debug!(listener = what, %peer, error = %e, "HTTP connection ended");
+            }
+        });
+    }
 }
 
 async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, ServeError> {
@@ -411,19 +479,12 @@ impl Server {
         if let Some(guard) = metrics_guard {
             app = guard.protect(app);
         }
-        let mut stop = rx.clone();
-        tasks.push(tokio::spawn(async move {
-            let done = async move {
-                let _ = stop.wait_for(|s| *s).await;
-            };
-            let app = app.into_make_service_with_connect_info::<SocketAddr>();
-            if let Err(e) = axum::serve(http_incoming(metrics_l), app)
-                .with_graceful_shutdown(done)
-                .await
-            {
-                tracing::error!(error = %e, "metrics server stopped");
-            }
-        }));
+        tasks.push(tokio::spawn(serve_http(
+            "metrics",
+            metrics_l,
+            app,
+            rx.clone(),
+        )));
         if config.discovers_workers() {
             let (run, mut stop) = (
                 crate::discovery::run(
@@ -458,19 +519,12 @@ impl Server {
         if let Some(guard) = admin_guard {
             admin = guard.protect(admin);
         }
-        let mut stop = rx.clone();
-        tasks.push(tokio::spawn(async move {
-            let done = async move {
-                let _ = stop.wait_for(|s| *s).await;
-            };
-            let admin = admin.into_make_service_with_connect_info::<SocketAddr>();
-            if let Err(e) = axum::serve(http_incoming(admin_l), admin)
-                .with_graceful_shutdown(done)
-                .await
-            {
-                tracing::error!(error = %e, "admin server stopped");
-            }
-        }));
+        tasks.push(tokio::spawn(serve_http(
+            "admin",
+            admin_l,
+            admin,
+            rx.clone(),
+        )));
         tracing::info!(%grpc_addr, %health_addr, %metrics_addr, %admin_addr, "kv-epp serving");
         Ok(Server {
             picker,
@@ -640,12 +694,10 @@ mod tests {
     /// So has every connection the metrics and admin listeners accept.
     #[tokio::test]
     async fn accepted_http_connections_have_tcp_nodelay() {
-        use axum::serve::Listener;
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let mut accepted = http_incoming(listener);
         let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let (conn, _) = accepted.accept().await;
+        let (conn, _) = accept_http(&listener).await.unwrap();
         assert!(
             conn.nodelay().unwrap(),
             "TCP_NODELAY on the accepted socket"

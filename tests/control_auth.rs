@@ -289,9 +289,19 @@ async fn metrics_tokens_are_reviewed_by_kubernetes_and_cached() {
         assert_eq!(r.status, 200);
     }
     assert_eq!(fake.token_reviews(), 3);
-    // The API fails: 503 for a token it has not vouched for yet, the cached one still passes.
+    // Refused tokens are cached too: the same answers again without a review.
+    assert_eq!(
+        scrape(&server, Some("Bearer stolen-token")).await.status,
+        401
+    );
+    assert_eq!(
+        scrape(&server, Some("Bearer other-token")).await.status,
+        403
+    );
+    assert_eq!(fake.token_reviews(), 3);
+    // The API fails: 503 for a token it has not answered for yet, the cached one still passes.
     fake.fail_reviews(true);
-    let r = scrape(&server, Some("Bearer other-token")).await;
+    let r = scrape(&server, Some("Bearer new-token")).await;
     assert_eq!(r.status, 503, "{}", r.text());
     let r = scrape(&server, Some("Bearer prometheus-token")).await;
     assert_eq!(r.status, 200);
@@ -309,8 +319,55 @@ async fn metrics_tokens_are_reviewed_by_kubernetes_and_cached() {
             refused("forbidden"),
             refused("unavailable")
         ],
-        [1.0, 1.0, 1.0, 1.0],
+        [1.0, 2.0, 2.0, 1.0],
         "{m}"
+    );
+    server.stop().await;
+}
+
+/// Whoever reaches the metrics port can send made-up tokens; the TokenReviews they cause are
+/// bounded (a few at once, 20 a second on average), the rest answered 503 without asking, and
+/// a scraper whose token is cached is served meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn made_up_tokens_cannot_flood_the_kubernetes_api_with_reviews() {
+    let fake = FakeKube::start().await;
+    let kubeconfig = fake.kubeconfig(&temp_dir("flood"));
+    let prometheus = "system:serviceaccount:monitoring:prometheus";
+    fake.allow_token("prometheus-token", prometheus);
+    fake.grant(prometheus, "/metrics");
+    let rest = format!("pool: {{kubeconfig: '{}'}}\n", kubeconfig.display());
+    let server = Server::start(&config("127.0.0.1", ", metrics_auth: true", &rest))
+        .await
+        .unwrap();
+    assert_eq!(
+        scrape(&server, Some("Bearer prometheus-token"))
+            .await
+            .status,
+        200
+    );
+    let started = std::time::Instant::now();
+    let before = fake.token_reviews();
+    let s = &server;
+    for round in 0..10 {
+        let calls = (0..20).map(|i| async move {
+            let server = s;
+            let auth = format!("Bearer junk-{round}-{i}");
+            scrape(server, Some(&auth)).await.status
+        });
+        for status in futures_util::future::join_all(calls).await {
+            assert!(status == 401 || status == 503, "{status}");
+        }
+        assert_eq!(
+            scrape(s, Some("Bearer prometheus-token")).await.status,
+            200,
+            "the cached scraper is served during the flood"
+        );
+    }
+    let reviews = fake.token_reviews() - before;
+    let bound = 20.0 + 20.0 * started.elapsed().as_secs_f64() + 4.0;
+    assert!(
+        (reviews as f64) <= bound,
+        "{reviews} reviews for 200 made-up tokens, over {bound:.0}"
     );
     server.stop().await;
 }
@@ -324,4 +381,38 @@ async fn metrics_auth_without_a_token_file_or_kubernetes_stops_start_up() {
     };
     assert!(e.contains("server.metrics_auth"), "{e}");
     assert!(e.contains("server.metrics_token_file"), "{e}");
+}
+
+/// The metrics and admin ports are reachable before any token is checked (that needs the
+/// headers): a client that sends half a request is disconnected once the header timeout
+/// (10 s) has passed, instead of holding the connection for ever, and the port keeps serving
+/// meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_sent_request_does_not_hold_a_connection() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let server = Server::start(&config("127.0.0.1", "", "")).await.unwrap();
+    for addr in [server.metrics_addr, server.admin_addr] {
+        let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        tcp.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+            .await
+            .unwrap();
+        let r = http(addr, "GET", "/healthz", &[], b"").await.unwrap();
+        assert!(r.status < 500, "still serving: {}", r.status);
+        // Generous: the timeout is 10 s; a busy machine may take longer to act on it.
+        let mut rest = Vec::new();
+        let closed = tokio::time::timeout(
+            std::time::Duration::from_secs(60),
+            tcp.read_to_end(&mut rest),
+        )
+        .await;
+        assert!(
+            matches!(closed, Ok(Ok(_)) | Ok(Err(_))),
+            "{addr}: the half-sent request still holds its connection after 60 s"
+        );
+        assert!(
+            !String::from_utf8_lossy(&rest).contains("200 OK"),
+            "never answered as a whole request"
+        );
+    }
+    server.stop().await;
 }

@@ -1,9 +1,13 @@
 //! Scrapers' bearer tokens checked by the Kubernetes API ([`TokenReviewer`]), with a short
-//! cache of the tokens it allowed so a scrape every few seconds does not cost two API calls.
+//! cache of the answers so a scrape every few seconds does not cost two API calls.
 //!
-//! Only allowed tokens are cached, each for [`ALLOWED_TTL`], keyed by the token's SHA-256 (the
-//! cache never holds a token); at most [`MAX_ENTRIES`] are kept, the one expiring first making
-//! room. A review that fails or times out is an answer of its own (503), never an allowance.
+//! Allowed tokens are cached for [`ALLOWED_TTL`], refused ones for [`REFUSED_TTL`], each keyed
+//! by the token's SHA-256 (the cache never holds a token), in two maps of at most
+//! [`MAX_ENTRIES`] so a flood of refused tokens cannot push allowed ones out; the one expiring
+//! first makes room. Whoever reaches the port can send tokens, so the reviews they cause are
+//! bounded: at most [`MAX_IN_FLIGHT`] at once and [`REVIEWS_PER_SECOND`] (with a burst of as
+//! many); beyond, the request is answered 503 without asking. A review that fails or times out
+//! is an answer of its own (503), never an allowance, and is not cached.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -20,10 +24,17 @@ const ALLOWED_TTL: Duration = Duration::from_secs(60);
 const MAX_ENTRIES: usize = 1024;
 /// Longest wait for the API's answer.
 const REVIEW_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a refused token is refused without asking again (a token just granted the right
+/// waits at most this long).
+const REFUSED_TTL: Duration = Duration::from_secs(30);
+/// Most reviews waiting for the API at once.
+const MAX_IN_FLIGHT: usize = 4;
+/// Reviews asked per second, on average (and in a burst).
+const REVIEWS_PER_SECOND: u64 = 20;
 
 type Key = [u8; 32];
 
-/// Allowed tokens (by hash) and when each allowance ends. Pure: the caller passes the time.
+/// Tokens (by hash) and when each answer ends. Pure: the caller passes the time.
 #[derive(Debug, Default)]
 struct AllowedCache {
     until: HashMap<Key, Instant>,
@@ -35,6 +46,10 @@ impl AllowedCache {
     }
 
     fn insert(&mut self, key: Key, now: Instant) {
+        self.insert_for(key, now, ALLOWED_TTL);
+    }
+
+    fn insert_for(&mut self, key: Key, now: Instant, ttl: Duration) {
         if self.until.len() >= MAX_ENTRIES && !self.until.contains_key(&key) {
             self.until.retain(|_, u| now < *u);
             if self.until.len() >= MAX_ENTRIES
@@ -43,30 +58,79 @@ impl AllowedCache {
                 self.until.remove(&first);
             }
         }
-        self.until.insert(key, now + ALLOWED_TTL);
+        self.until.insert(key, now + ttl);
     }
 }
 
-/// TokenReview (and SubjectAccessReview) behind a cache of allowed tokens.
+/// TokenReview (and SubjectAccessReview) behind a cache of answers and a bound on the reviews
+/// asked.
 pub(crate) struct Reviews {
     reviewer: TokenReviewer,
     cache: Mutex<AllowedCache>,
+    /// Refused tokens and why (the same answer again until it ends).
+    refused: Mutex<HashMap<Key, (Instant, Refusal)>>,
+    in_flight: tokio::sync::Semaphore,
+    rate: Mutex<(crate::flow::quota::TokenBucket, Instant)>,
 }
 
 impl Reviews {
     pub(crate) fn new(reviewer: TokenReviewer) -> Reviews {
+        let n = REVIEWS_PER_SECOND;
         Reviews {
             reviewer,
             cache: Mutex::new(AllowedCache::default()),
+            refused: Mutex::new(HashMap::new()),
+            in_flight: tokio::sync::Semaphore::new(MAX_IN_FLIGHT),
+            rate: Mutex::new((
+                crate::flow::quota::TokenBucket::new(n, n, 0),
+                Instant::now(),
+            )),
         }
+    }
+
+    /// A refused token's cached answer.
+    fn refused(&self, key: &Key, now: Instant) -> Option<Refusal> {
+        let refused = self.refused.lock();
+        refused.get(key).filter(|(u, _)| now < *u).map(|(_, r)| *r)
+    }
+
+    fn remember_refused(&self, key: Key, now: Instant, why: Refusal) {
+        let mut refused = self.refused.lock();
+        if refused.len() >= MAX_ENTRIES && !refused.contains_key(&key) {
+            refused.retain(|_, (u, _)| now < *u);
+            if refused.len() >= MAX_ENTRIES
+                && let Some(first) = refused.iter().min_by_key(|(_, (u, _))| *u).map(|(k, _)| *k)
+            {
+                refused.remove(&first);
+            }
+        }
+        refused.insert(key, (now + REFUSED_TTL, why));
+    }
+
+    /// Whether a review may be asked now (the rate's bucket holds one).
+    fn may_ask(&self, now: Instant) -> bool {
+        let mut rate = self.rate.lock();
+        let ms = now.saturating_duration_since(rate.1).as_millis() as u64;
+        rate.0.take(1, ms)
     }
 
     /// Whether `token` may read what the reviewer guards: from the cache, else from the API
     /// (at most [`REVIEW_TIMEOUT`]).
     pub(crate) async fn verify(&self, token: &str) -> Verdict {
         let key: Key = Sha256::digest(token.as_bytes()).into();
-        if self.cache.lock().allows(&key, Instant::now()) {
+        let now = Instant::now();
+        if self.cache.lock().allows(&key, now) {
             return Ok(());
+        }
+        if let Some(why) = self.refused(&key, now) {
+            return Err(Denied::Refused(why));
+        }
+        let busy = || Denied::Unavailable("too many token reviews asked; try again".into());
+        let Ok(_permit) = self.in_flight.try_acquire() else {
+            return Err(busy());
+        };
+        if !self.may_ask(now) {
+            return Err(busy());
         }
         let review = tokio::time::timeout(REVIEW_TIMEOUT, self.reviewer.review(token)).await;
         match review {
@@ -74,9 +138,13 @@ impl Reviews {
                 self.cache.lock().insert(key, Instant::now());
                 Ok(())
             }
-            Ok(Ok(Review::Unauthenticated)) => Err(Denied::Refused(Refusal::InvalidToken)),
+            Ok(Ok(Review::Unauthenticated)) => {
+                self.remember_refused(key, Instant::now(), Refusal::InvalidToken);
+                Err(Denied::Refused(Refusal::InvalidToken))
+            }
             Ok(Ok(Review::Forbidden { user, reason })) => {
                 tracing::warn!(%user, %reason, path = self.reviewer.path(), "token review: this user may not read it");
+                self.remember_refused(key, Instant::now(), Refusal::Forbidden);
                 Err(Denied::Refused(Refusal::Forbidden))
             }
             Ok(Err(e)) => Err(Denied::Unavailable(e.to_string())),

@@ -1217,7 +1217,9 @@ impl KvIndex {
 
     /// Adds exported blocks to a registered worker (a snapshot's chunk). Blocks the worker
     /// already holds and blocks naming a seed outside `seeds` are skipped; returns how many were
-    /// restored. The capacity limit applies as for events.
+    /// restored. The limits apply as for events: a block past the index's capacity or the
+    /// worker's `max_blocks_per_worker` is skipped and counted (`rejected_capacity`), whatever
+    /// its namespace, so a peer's snapshot cannot make the index outgrow them.
     pub fn restore_blocks(
         &self,
         id: &WorkerId,
@@ -1233,6 +1235,12 @@ impl KvIndex {
         for b in run {
             let tiers = b.tiers & 0b11;
             if tiers == 0 || blocks.get(b.engine).is_some() {
+                continue;
+            }
+            if blocks.len() >= self.limits.max_blocks_per_worker {
+                self.counters
+                    .rejected_capacity
+                    .fetch_add(1, Ordering::Relaxed);
                 continue;
             }
             if b.ns == 0 {

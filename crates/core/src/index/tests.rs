@@ -338,6 +338,45 @@ fn digest_is_order_independent_and_sensitive() {
     assert_ne!(a.digest(), b.digest());
 }
 
+/// A snapshot from a peer (buggy, or with other limits) cannot make a worker outgrow
+/// `max_blocks_per_worker`, whatever the blocks' namespace (unknown ones included) nor the
+/// index its capacity: blocks past either are skipped and counted.
+#[test]
+fn a_restored_snapshot_keeps_to_the_limits() {
+    let idx = limited(1_000, 100);
+    idx.add_worker(w(1));
+    idx.add_worker(w(2));
+    let run = |from: u64| -> Vec<ExportedBlock> {
+        (from..from + 1_000)
+            .map(|h| ExportedBlock {
+                engine: EngineBlockHash(h),
+                seq: SequenceHash(h),
+                ns: (h % 2) as u32,
+                tiers: 1,
+            })
+            .collect()
+    };
+    let mut restored = 0;
+    for chunk in 0..20 {
+        restored += idx
+            .restore_blocks(&w(1), &[HashSeed::UNSALTED], &run(1 + chunk * 1_000))
+            .unwrap();
+    }
+    assert_eq!(restored, 100);
+    assert_eq!(idx.worker_blocks(&w(1)).unwrap(), 100);
+    assert_eq!(
+        idx.counters().rejected_capacity.load(Ordering::Relaxed),
+        20_000 - 100
+    );
+    // The index's capacity (pairs) holds across workers too.
+    let big = limited(150, 1_000);
+    for i in 1..=2 {
+        big.add_worker(w(i));
+        big.restore_blocks(&w(i), &[HashSeed::UNSALTED], &run(1)).unwrap();
+    }
+    assert!(big.pairs() <= 150, "{}", big.pairs());
+}
+
 #[test]
 fn export_and_restore_reproduce_the_index_and_its_namespaces() {
     let t: Vec<u32> = (0..16).collect();

@@ -214,12 +214,33 @@ fn answer(picker: &Picker, base: &str, blocks: usize, overlaps: Vec<Overlap>) ->
     .into_response()
 }
 
+/// Admin requests doing a request's work (parsing a large body, tokenizing, hashing, querying)
+/// run one at a time.
+static HEAVY: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
+
+/// Runs an admin request's work off the I/O threads, one at a time: an operator's `/explain`
+/// of a multi-MiB chat must not stall ext_proc streams or health probes, which share those
+/// threads.
+async fn off_io(work: impl FnOnce() -> Response + Send + 'static) -> Response {
+    let Ok(_permit) = HEAVY.acquire().await else {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "shutting down").into_response();
+    };
+    match tokio::task::spawn_blocking(work).await {
+        Ok(response) => response,
+        Err(_) => error(StatusCode::INTERNAL_SERVER_ERROR, "the request failed").into_response(),
+    }
+}
+
 async fn query(
     State(s): State<AdminState>,
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    let req: QueryRequest = match parse(&body) {
+    off_io(move || query_now(&s, &headers, &body)).await
+}
+
+fn query_now(s: &AdminState, headers: &HeaderMap, body: &[u8]) -> Response {
+    let req: QueryRequest = match parse(body) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
@@ -227,6 +248,21 @@ async fn query(
         Ok(m) => m,
         Err(e) => return e.into_response(),
     };
+    // As ext_proc: a prompt over the model's limit is refused before it is hashed.
+    if let Some(max) = s
+        .picker
+        .models
+        .get(base)
+        .and_then(|m| m.max_prompt_tokens())
+        && req.token_ids.len() > max
+    {
+        let too_long = Reject::PromptTooLong {
+            model: base.to_owned(),
+            tokens: req.token_ids.len(),
+            max,
+        };
+        return refusal(&too_long, s.retry_after_seconds);
+    }
     let tenant: Vec<&[u8]> = headers
         .get_all(TENANT_HEADER)
         .iter()
@@ -281,7 +317,11 @@ struct ExplainRequest {
 
 /// `POST /explain`: the decision ext_proc would take for this request now, without booking.
 async fn explain(State(s): State<AdminState>, body: axum::body::Bytes) -> Response {
-    let req: ExplainRequest = match parse(&body) {
+    off_io(move || explain_now(&s, &body)).await
+}
+
+fn explain_now(s: &AdminState, body: &[u8]) -> Response {
+    let req: ExplainRequest = match parse(body) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
@@ -397,7 +437,11 @@ fn explanation(d: &Decision, feeds: &FeedStates) -> Value {
 }
 
 async fn query_by_hash(State(s): State<AdminState>, body: axum::body::Bytes) -> Response {
-    let req: QueryByHashRequest = match parse(&body) {
+    off_io(move || query_by_hash_now(&s, &body)).await
+}
+
+fn query_by_hash_now(s: &AdminState, body: &[u8]) -> Response {
+    let req: QueryByHashRequest = match parse(body) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };

@@ -416,3 +416,31 @@ async fn a_half_sent_request_does_not_hold_a_connection() {
     }
     server.stop().await;
 }
+
+/// `/query` keeps to the model's `max_prompt_tokens` as ext_proc does (400 `prompt-too-long`),
+/// so an admin call cannot make kv-epp hash any number of tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_queries_keep_to_the_prompt_limit() {
+    let yaml = "server: {bind_address: '127.0.0.1', grpc_port: 0, grpc_health_port: 0, metrics_port: 0, admin_port: 0}\n\
+         events: {engine: none}\nengine_metrics: {interval_ms: 0}\n\
+         models: [{name: m, block_size: 4, max_prompt_tokens: 16}]\nworkers: [{endpoint: '127.0.0.1:1', model: m}]\n";
+    let c = Config::from_yaml(yaml).unwrap();
+    c.validate().unwrap();
+    let server = Server::start(&c).await.unwrap();
+    let query = |n: u32| {
+        let body = format!(
+            r#"{{"model":"m","token_ids":{:?}}}"#,
+            (0..n).collect::<Vec<u32>>()
+        );
+        async move {
+            http(server.admin_addr, "POST", "/query", &[], body.as_bytes())
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(query(16).await.status, 200);
+    let r = query(17).await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.text().contains("prompt-too-long"), "{}", r.text());
+    server.stop().await;
+}

@@ -156,6 +156,37 @@ async fn replicas_converge_bootstrap_from_a_peer_and_survive_faults() {
         (digest, blocks),
         "d equals its peers"
     );
+    // A replica serves at most two snapshots at once (each holds a copy while it streams): two
+    // readers that stall (a tiny flow-control window, nothing read) keep both slots, a third is
+    // told to ask elsewhere, and a slot is free again once a reader is gone.
+    {
+        use kv_epp::replica::pb;
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", a.peer))
+            .unwrap()
+            .initial_stream_window_size(Some(64))
+            .connect()
+            .await
+            .unwrap();
+        let ask = || {
+            let mut client = pb::replica_client::ReplicaClient::new(channel.clone());
+            async move {
+                let mut req = tonic::Request::new(pb::SnapshotRequest {
+                    max_blocks_per_chunk: 1,
+                });
+                req.metadata_mut()
+                    .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
+                client.snapshot(req).await
+            }
+        };
+        let first = ask().await.expect("a first snapshot");
+        let second = ask().await.expect("a second snapshot");
+        let third = ask().await.map(|_| ()).unwrap_err();
+        assert_eq!(third.code(), tonic::Code::ResourceExhausted, "{third:?}");
+        drop(first);
+        let again = common::eventually_async(30, || async { ask().await.is_ok() }).await;
+        assert!(again, "a slot is free once a reader is gone");
+        drop(second);
+    }
 
     // Faults while the second half runs: b killed and restarted, worker 2 restarted, c cut off
     // from worker 3 for a while (worker 1 drops 20% of its batches throughout).

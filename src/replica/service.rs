@@ -23,7 +23,16 @@ struct Service {
     state: Arc<ReplicaState>,
     /// Fires at shutdown: open relay streams end so the server can stop gracefully.
     stop: watch::Receiver<bool>,
+    /// Snapshots being served: each copies the relayed workers' blocks at once, so their
+    /// number is bounded ([`MAX_SNAPSHOTS`]); a joiner asks another peer, or again.
+    snapshots: Arc<tokio::sync::Semaphore>,
 }
+
+/// Snapshots served at once.
+const MAX_SNAPSHOTS: usize = 2;
+/// Streams one peer connection may have open at once: a peer needs a handful (probes, its
+/// relay subscription, a catch-up, a snapshot).
+const MAX_PEER_STREAMS: u32 = 64;
 
 type Stream<T> = Pin<Box<dyn tokio_stream::Stream<Item = Result<T, Status>> + Send>>;
 
@@ -130,7 +139,12 @@ impl Replica for Service {
         let ours = self.state.config.snapshot_chunk_blocks as usize;
         let asked = req.into_inner().max_blocks_per_chunk as usize;
         let chunk = if asked == 0 { ours } else { asked.min(ours) };
-        let rx = super::snapshot::serve(self.state.clone(), chunk);
+        let Ok(permit) = self.snapshots.clone().try_acquire_owned() else {
+            return Err(Status::resource_exhausted(
+                "serving as many snapshots as it may; ask another peer, or again shortly",
+            ));
+        };
+        let rx = super::snapshot::serve(self.state.clone(), chunk, permit);
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
@@ -204,13 +218,16 @@ pub async fn serve(
     let svc = ReplicaServer::new(Service {
         state: state.clone(),
         stop: stop.clone(),
+        snapshots: Arc::new(tokio::sync::Semaphore::new(MAX_SNAPSHOTS)),
     })
     .max_decoding_message_size(max)
     .max_encoding_message_size(max);
     let done = async move {
         let _ = stop.wait_for(|s| *s).await;
     };
-    let router = tonic::transport::Server::builder().add_service(svc);
+    let router = tonic::transport::Server::builder()
+        .max_concurrent_streams(MAX_PEER_STREAMS)
+        .add_service(svc);
     let served = match &state.tls {
         Some(tls) => {
             let conns = crate::tls::accept::incoming(listener, tls.configs.clone());

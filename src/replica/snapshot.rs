@@ -4,9 +4,10 @@
 //! ZeroMQ feed, the next sequence number (taken under the feed's apply lock); for relayed
 //! single-reader sources, the relay positions (taken under the relay hub's lock). The copy is
 //! then streamed in chunks of `peers.snapshot_chunk_blocks` entries through a channel of four
-//! messages, so the sender holds one worker's copy (24 bytes a block) plus four chunks, and the
-//! receiver applies each chunk as it arrives: memory stays bounded by one worker's share, never
-//! by the index.
+//! messages, so the sender holds one ZeroMQ worker's copy (24 bytes a block), or the relayed
+//! workers' copies all at once (they must be taken at one instant with the relay positions),
+//! plus four chunks; at most two snapshots are served at once. The receiver applies each chunk
+//! as it arrives, within its own index limits.
 //!
 //! What a block carries: its engine hash, prefix hash, namespace (an index into the worker's
 //! seed list, 0 = unknown) and tiers, so continuation events that arrive after the snapshot
@@ -43,9 +44,12 @@ pub(crate) struct Restored {
 pub fn serve(
     state: Arc<ReplicaState>,
     chunk: usize,
+    slot: tokio::sync::OwnedSemaphorePermit,
 ) -> mpsc::Receiver<Result<pb::SnapshotChunk, Status>> {
     let (tx, rx) = mpsc::channel(4);
     tokio::spawn(async move {
+        // Held until this snapshot is served or its reader is gone.
+        let _slot = slot;
         state.counters.snapshots_served.inc();
         // Relayed workers and the relay positions, copied together.
         let single: Vec<WorkerId> = state

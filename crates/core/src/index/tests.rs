@@ -372,7 +372,8 @@ fn a_restored_snapshot_keeps_to_the_limits() {
     let big = limited(150, 1_000);
     for i in 1..=2 {
         big.add_worker(w(i));
-        big.restore_blocks(&w(i), &[HashSeed::UNSALTED], &run(1)).unwrap();
+        big.restore_blocks(&w(i), &[HashSeed::UNSALTED], &run(1))
+            .unwrap();
     }
     assert!(big.pairs() <= 150, "{}", big.pairs());
 }

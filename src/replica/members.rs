@@ -362,6 +362,9 @@ pub(crate) async fn probe_loop(state: Arc<ReplicaState>) {
         let starting = table.len() as i64 - ready;
         drop(table);
         m.refused.lock().retain(|a, _| addrs.contains(a));
+        // Connections to addresses no longer listed (pods replaced) are dropped, so pod churn
+        // does not keep one per address ever seen (clones in use keep theirs until done).
+        m.channels.lock().retain(|a, _| addrs.contains(a));
         *m.last_round.lock() = Some(round_start);
         // Leases of claims this replica still holds run from this round's start: it saw every
         // peer's claims after that instant (a round that began before a pause confirms nothing).

@@ -77,6 +77,7 @@ pub fn routes(state: AdminState) -> HttpRouter {
         .route("/debug/queues", get(queues))
         .route(LIVENESS_PATH, get(|| async { "ok" }))
         .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(axum::Extension(Arc::new(Heavy::default())))
         .with_state(state)
 }
 
@@ -214,16 +215,44 @@ fn answer(picker: &Picker, base: &str, blocks: usize, overlaps: Vec<Overlap>) ->
     .into_response()
 }
 
-/// Admin requests doing a request's work (parsing a large body, tokenizing, hashing, querying)
-/// run one at a time.
-static HEAVY: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
+/// Admin requests doing a request's work (parsing a large body, tokenizing, hashing, querying):
+/// one runs at a time, a few more may wait for their turn, and the rest are answered 503.
+struct Heavy {
+    run: Arc<tokio::sync::Semaphore>,
+    waiting: tokio::sync::Semaphore,
+}
+
+impl Default for Heavy {
+    fn default() -> Self {
+        Heavy {
+            run: Arc::new(tokio::sync::Semaphore::new(1)),
+            // Each waiting request holds its body (at most `MAX_BODY`).
+            waiting: tokio::sync::Semaphore::new(8),
+        }
+    }
+}
 
 /// Runs an admin request's work off the I/O threads, one at a time: an operator's `/explain`
 /// of a multi-MiB chat must not stall ext_proc streams or health probes, which share those
-/// threads.
-async fn off_io(work: impl FnOnce() -> Response + Send + 'static) -> Response {
-    let Ok(_permit) = HEAVY.acquire().await else {
-        return error(StatusCode::SERVICE_UNAVAILABLE, "shutting down").into_response();
+/// threads. The turn goes with the work, which runs to its end even when the client has left,
+/// so at most one runs whatever clients do.
+async fn off_io(heavy: &Heavy, work: impl FnOnce() -> Response + Send + 'static) -> Response {
+    let busy = || {
+        error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too many /query, /query_by_hash or /explain calls at once; try again",
+        )
+        .into_response()
+    };
+    let Ok(_waiting) = heavy.waiting.try_acquire() else {
+        return busy();
+    };
+    let Ok(turn) = heavy.run.clone().acquire_owned().await else {
+        return busy();
+    };
+    let work = move || {
+        let _turn = turn;
+        work()
     };
     match tokio::task::spawn_blocking(work).await {
         Ok(response) => response,
@@ -233,10 +262,11 @@ async fn off_io(work: impl FnOnce() -> Response + Send + 'static) -> Response {
 
 async fn query(
     State(s): State<AdminState>,
+    axum::Extension(heavy): axum::Extension<Arc<Heavy>>,
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    off_io(move || query_now(&s, &headers, &body)).await
+    off_io(&heavy, move || query_now(&s, &headers, &body)).await
 }
 
 fn query_now(s: &AdminState, headers: &HeaderMap, body: &[u8]) -> Response {
@@ -316,8 +346,12 @@ struct ExplainRequest {
 }
 
 /// `POST /explain`: the decision ext_proc would take for this request now, without booking.
-async fn explain(State(s): State<AdminState>, body: axum::body::Bytes) -> Response {
-    off_io(move || explain_now(&s, &body)).await
+async fn explain(
+    State(s): State<AdminState>,
+    axum::Extension(heavy): axum::Extension<Arc<Heavy>>,
+    body: axum::body::Bytes,
+) -> Response {
+    off_io(&heavy, move || explain_now(&s, &body)).await
 }
 
 fn explain_now(s: &AdminState, body: &[u8]) -> Response {
@@ -436,8 +470,12 @@ fn explanation(d: &Decision, feeds: &FeedStates) -> Value {
     })
 }
 
-async fn query_by_hash(State(s): State<AdminState>, body: axum::body::Bytes) -> Response {
-    off_io(move || query_by_hash_now(&s, &body)).await
+async fn query_by_hash(
+    State(s): State<AdminState>,
+    axum::Extension(heavy): axum::Extension<Arc<Heavy>>,
+    body: axum::body::Bytes,
+) -> Response {
+    off_io(&heavy, move || query_by_hash_now(&s, &body)).await
 }
 
 fn query_by_hash_now(s: &AdminState, body: &[u8]) -> Response {

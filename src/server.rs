@@ -118,6 +118,12 @@ pub(crate) async fn accept_http(
 /// Most connections one HTTP port (metrics, admin) serves at once; more are closed as they are
 /// accepted. A scraper or an operator needs a handful.
 const MAX_HTTP_CONNECTIONS: usize = 256;
+/// Most connections one client address may hold on one of these ports, so one client cannot
+/// take every slot.
+const MAX_HTTP_CONNECTIONS_PER_CLIENT: usize = 16;
+/// Longest a connection is kept, requests or not (a client that never reads its answer
+/// included): clients reconnect, and a slot is never held for good.
+const HTTP_CONNECTION_LIFETIME: Duration = Duration::from_secs(120);
 /// Longest wait for a request's headers, also between requests on a kept-alive connection.
 const HTTP_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest a request may take, its body read included (408 after it).
@@ -129,6 +135,19 @@ const HTTP_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 /// must be done within [`HTTP_REQUEST_TIMEOUT`], so a client that sends half a request, or
 /// trickles a body, neither keeps a connection nor piles them up. Every connection has
 /// TCP_NODELAY; handlers see the peer as `ConnectInfo<SocketAddr>`.
+/// Runs `f` when dropped.
+fn scopeguard(f: impl FnOnce()) -> impl Drop {
+    struct Guard<F: FnOnce()>(Option<F>);
+    impl<F: FnOnce()> Drop for Guard<F> {
+        fn drop(&mut self) {
+            if let Some(f) = self.0.take() {
+                f();
+            }
+        }
+    }
+    Guard(Some(f))
+}
+
 async fn serve_http(
     what: &'static str,
     listener: TcpListener,
@@ -136,10 +155,21 @@ async fn serve_http(
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_HTTP_CONNECTIONS));
+    let per_client: Arc<parking_lot::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>> =
+        Arc::default();
+    let mut conns = tokio::task::JoinSet::new();
     loop {
+        while conns.try_join_next().is_some() {}
         let accepted = tokio::select! {
-            r = accept_http(&listener) => r,
-            _ = stop.wait_for(|s| *s) => return,
+            r = accept_http(&listener) => Some(r),
+            _ = stop.wait_for(|s| *s) => None,
+        };
+        let Some(accepted) = accepted else {
+            // Stopping: each connection finishes its request and closes (see below); wait for
+            // them, a little.
+            let all_closed = async { while conns.join_next().await.is_some() {} };
+            let _ = tokio::time::timeout(Duration::from_secs(10), all_closed).await;
+            return;
         };
         let (tcp, peer) = match accepted {
             Ok(c) => c,
@@ -154,9 +184,31 @@ async fn serve_http(
             tracing::debug!(listener = what, %peer, "too many connections: closing a new one");
             continue;
         };
+        let ip = peer.ip();
+        {
+            let mut held = per_client.lock();
+            let n = held.entry(ip).or_default();
+            if *n >= MAX_HTTP_CONNECTIONS_PER_CLIENT {
+                tracing::debug!(listener = what, %peer, "too many connections from this client");
+                continue;
+            }
+            *n += 1;
+        }
         let app = app.clone();
-        tokio::spawn(async move {
+        let per_client = per_client.clone();
+        let mut stop = stop.clone();
+        conns.spawn(async move {
             let _slot = slot;
+            // Gives this client's count back however the connection ends.
+            let _counted = scopeguard(move || {
+                let mut held = per_client.lock();
+                if let Some(n) = held.get_mut(&ip) {
+                    *n -= 1;
+                    if *n == 0 {
+                        held.remove(&ip);
+                    }
+                }
+            });
             let service = hyper::service::service_fn(
                 move |mut req: hyper::Request<hyper::body::Incoming>| {
                     req.extensions_mut()
@@ -178,7 +230,25 @@ async fn serve_http(
                 .timer(hyper_util::rt::TokioTimer::new())
                 .header_read_timeout(HTTP_HEADER_TIMEOUT)
                 .serve_connection(hyper_util::rt::TokioIo::new(tcp), service);
-            if let Err(e) = conn.await {
+            tokio::pin!(conn);
+            let ended = tokio::select! {
+                r = conn.as_mut() => Some(r),
+                _ = tokio::time::sleep(HTTP_CONNECTION_LIFETIME) => None,
+                _ = stop.wait_for(|s| *s) => None,
+            };
+            let ended = match ended {
+                Some(r) => r,
+                None => {
+                    // Lifetime over, or stopping: the request in progress (if any) is
+                    // finished, then the connection closes; a client that does not read its
+                    // answer gets a few seconds more.
+                    conn.as_mut().graceful_shutdown();
+                    tokio::time::timeout(Duration::from_secs(5), conn)
+                        .await
+                        .unwrap_or(Ok(()))
+                }
+            };
+            if let Err(e) = ended {
                 tracing::debug!(listener = what, %peer, error = %e, "HTTP connection ended");
             }
         });
@@ -597,7 +667,7 @@ async fn guards(
                     ))
                 })?;
             let reviewer = crate::discovery::TokenReviewer::new(client, "/metrics");
-            Some(Verifier::Kubernetes(Reviews::new(reviewer)))
+            Some(Verifier::Kubernetes(Box::new(Reviews::new(reviewer))))
         }
     };
     let scrapes = scrapes.map(|v| Guard::new(Listener::Metrics, v, &[], metrics));

@@ -348,8 +348,9 @@ async fn made_up_tokens_cannot_flood_the_kubernetes_api_with_reviews() {
     let started = std::time::Instant::now();
     let before = fake.token_reviews();
     let s = &server;
-    for round in 0..10 {
-        let calls = (0..20).map(|i| async move {
+    // 12 at once: under the 16 connections one client address may hold.
+    for round in 0..15 {
+        let calls = (0..12).map(|i| async move {
             let server = s;
             let auth = format!("Bearer junk-{round}-{i}");
             scrape(server, Some(&auth)).await.status
@@ -367,7 +368,7 @@ async fn made_up_tokens_cannot_flood_the_kubernetes_api_with_reviews() {
     let bound = 20.0 + 20.0 * started.elapsed().as_secs_f64() + 4.0;
     assert!(
         (reviews as f64) <= bound,
-        "{reviews} reviews for 200 made-up tokens, over {bound:.0}"
+        "{reviews} reviews for 180 made-up tokens, over {bound:.0}"
     );
     server.stop().await;
 }
@@ -442,5 +443,34 @@ async fn admin_queries_keep_to_the_prompt_limit() {
     let r = query(17).await;
     assert_eq!(r.status, 400, "{}", r.text());
     assert!(r.text().contains("prompt-too-long"), "{}", r.text());
+    server.stop().await;
+}
+
+/// One client address holds at most 16 connections on the metrics (or admin) port: a 17th is
+/// closed at once, so a single client cannot take every slot, and its connections count again
+/// once closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_client_cannot_take_every_connection() {
+    use tokio::io::AsyncReadExt;
+    let server = Server::start(&config("127.0.0.1", "", "")).await.unwrap();
+    let addr = server.metrics_addr;
+    let mut held = Vec::new();
+    for _ in 0..16 {
+        held.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+    }
+    let mut extra = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut buf = [0u8; 16];
+    let closed = tokio::time::timeout(std::time::Duration::from_secs(30), extra.read(&mut buf))
+        .await
+        .expect("the 17th connection is closed, not kept");
+    assert!(matches!(closed, Ok(0) | Err(_)), "{closed:?}");
+    drop(held);
+    let served = common::eventually_async(30, || async {
+        http(addr, "GET", "/metrics", &[], b"")
+            .await
+            .is_ok_and(|r| r.status == 200)
+    })
+    .await;
+    assert!(served, "served again once the client's connections closed");
     server.stop().await;
 }

@@ -60,6 +60,14 @@ impl Open {
         Open { _tx: tx, rx }
     }
 
+    /// As `start`, then the client ends its side (a half-close) and only reads.
+    async fn start_then_half_close(channel: &Channel, tenant: &str, tokens: usize) -> Open {
+        let mut open = Open::start(channel, tenant, tokens).await;
+        let (tx, _) = mpsc::channel(1);
+        drop(std::mem::replace(&mut open._tx, tx));
+        open
+    }
+
     /// The next answer, skipping the header response BUFFERED mode gets at once.
     async fn next(&mut self) -> Answer {
         loop {
@@ -272,6 +280,25 @@ async fn timeouts_limits_and_quotas_answer_429_with_a_reason() {
         !m.contains("capped") && !m.contains("metered"),
         "no raw ids"
     );
+    server.stop().await;
+}
+
+/// A queued client that ends its side of the stream once it has sent everything (a half-close;
+/// tonic clients streaming a fixed list do) is still waiting for its answer: it stays queued
+/// and gets its pick when capacity frees, and nothing is counted as a reset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_client_that_half_closes_still_gets_its_answer() {
+    let (server, ch) = start("").await;
+    let mut holder = Open::start(&ch, "tenant-a", 8).await;
+    assert_eq!(holder.next().await, Answer::Pick(WORKER.into()));
+    let mut waiting = Open::start_then_half_close(&ch, "tenant-b", 8).await;
+    assert_eq!(waiting.next().await, Answer::Override(31));
+    assert!(eventually(10, || server.flow.queued() == 1).await);
+    drop(holder);
+    assert_eq!(waiting.next().await, Answer::Pick(WORKER.into()));
+    let m = metrics(&server).await;
+    assert!(!m.contains("reset_while_queued"), "{m}");
+    drop(waiting);
     server.stop().await;
 }
 

@@ -92,7 +92,7 @@ pub(crate) enum Verifier {
     /// A static token in a file (followed as it rotates).
     TokenFile(TokenFile),
     /// Kubernetes TokenReview + SubjectAccessReview, cached.
-    Kubernetes(Reviews),
+    Kubernetes(Box<Reviews>),
 }
 
 impl Verifier {

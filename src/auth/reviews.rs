@@ -31,6 +31,9 @@ const REFUSED_TTL: Duration = Duration::from_secs(30);
 const MAX_IN_FLIGHT: usize = 4;
 /// Reviews asked per second, on average (and in a burst).
 const REVIEWS_PER_SECOND: u64 = 20;
+/// How long a token allowed before is re-checked outside those bounds once its allowance ended:
+/// a scraper keeps being served while made-up tokens hold every review slot.
+const KNOWN_TTL: Duration = Duration::from_secs(600);
 
 type Key = [u8; 32];
 
@@ -67,6 +70,8 @@ impl AllowedCache {
 pub(crate) struct Reviews {
     reviewer: TokenReviewer,
     cache: Mutex<AllowedCache>,
+    /// Tokens allowed within [`KNOWN_TTL`]: their re-check skips the bounds on reviews.
+    known: Mutex<AllowedCache>,
     /// Refused tokens and why (the same answer again until it ends).
     refused: Mutex<HashMap<Key, (Instant, Refusal)>>,
     in_flight: tokio::sync::Semaphore,
@@ -79,6 +84,7 @@ impl Reviews {
         Reviews {
             reviewer,
             cache: Mutex::new(AllowedCache::default()),
+            known: Mutex::new(AllowedCache::default()),
             refused: Mutex::new(HashMap::new()),
             in_flight: tokio::sync::Semaphore::new(MAX_IN_FLIGHT),
             rate: Mutex::new((
@@ -126,16 +132,23 @@ impl Reviews {
             return Err(Denied::Refused(why));
         }
         let busy = || Denied::Unavailable("too many token reviews asked; try again".into());
-        let Ok(_permit) = self.in_flight.try_acquire() else {
-            return Err(busy());
+        // Made-up tokens cannot crowd out a scraper allowed before: its re-check is not bounded
+        // (it comes once a minute per such token, and only tokens the API allowed get there).
+        let known = self.known.lock().allows(&key, now);
+        let _permit = match self.in_flight.try_acquire() {
+            Ok(p) => Some(p),
+            Err(_) if known => None,
+            Err(_) => return Err(busy()),
         };
-        if !self.may_ask(now) {
+        if !known && !self.may_ask(now) {
             return Err(busy());
         }
         let review = tokio::time::timeout(REVIEW_TIMEOUT, self.reviewer.review(token)).await;
         match review {
             Ok(Ok(Review::Allowed { .. })) => {
-                self.cache.lock().insert(key, Instant::now());
+                let now = Instant::now();
+                self.cache.lock().insert(key, now);
+                self.known.lock().insert_for(key, now, KNOWN_TTL);
                 Ok(())
             }
             Ok(Ok(Review::Unauthenticated)) => {

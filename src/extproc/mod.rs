@@ -102,14 +102,17 @@ async fn run_stream(
 ) {
     // A message that arrived while a decision ran on a lane: handled next.
     let mut pending: Option<ProcessingRequest> = None;
+    // Whether the client may still send (false after its half-close).
+    let mut open = true;
     loop {
         if let Some(ticket) = handler.ticket() {
             // Queued by flow control: wait for capacity (or the queue timeout) while watching the
             // stream, so a client that goes away leaves the queue at once (dropping the handler
-            // drops its ticket).
+            // drops its ticket). A half-close is not going away: the answer is still read.
             let waited = tokio::select! {
                 outcome = ticket.wait() => Ok(outcome),
-                next = inbound.message() => Err(next),
+                next = inbound.message(), if open => Err(next),
+                _ = tx.closed() => Err(Err(Status::cancelled("the answers' reader is gone"))),
             };
             match waited {
                 Ok(outcome) => {
@@ -136,6 +139,10 @@ async fn run_stream(
                     tracing::warn!(error = %e, "ext_proc protocol error");
                     let _ = tx.send(Err(Status::invalid_argument(e))).await;
                     return;
+                }
+                Err(Ok(None)) => {
+                    open = false;
+                    continue;
                 }
                 Err(_) => {
                     count_error(&metrics, "reset_while_queued");
@@ -196,13 +203,12 @@ async fn run_stream(
                 // gone, is.
                 let decided = lanes.run(body_bytes, work);
                 tokio::pin!(decided);
-                let mut reading = true;
                 let ran = loop {
                     tokio::select! {
                         ran = &mut decided => break ran,
-                        next = inbound.message(), if reading && pending.is_none() => match next {
+                        next = inbound.message(), if open && pending.is_none() => match next {
                             Ok(Some(msg)) => pending = Some(msg),
-                            Ok(None) => reading = false,
+                            Ok(None) => open = false,
                             Err(_) => {
                                 count_error(&metrics, "reset_while_deciding");
                                 return;

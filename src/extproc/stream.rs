@@ -105,6 +105,8 @@ struct RequestHead {
     strip: Vec<String>,
     subset: Option<Vec<SocketAddr>>,
     conformance_ips: Option<Vec<IpAddr>>,
+    /// The request's `content-length`, when it has one.
+    content_length: Option<usize>,
 }
 
 #[derive(Debug)]
@@ -225,8 +227,11 @@ impl StreamHandler {
     pub fn decides_on(&self, msg: &ProcessingRequest) -> Option<usize> {
         match (&self.state, msg.request.as_ref()?) {
             (State::AwaitHeaders, Request::RequestHeaders(h)) if h.end_of_stream => Some(0),
-            (State::CollectBody { body, .. }, Request::RequestBody(b))
-                if b.end_of_stream || self.buffered_whole() =>
+            (State::CollectBody { body, head, .. }, Request::RequestBody(b))
+                if b.end_of_stream
+                    || self.buffered_whole()
+                    || (self.request_send == SEND_BUFFERED_PARTIAL
+                        && head.content_length == Some(body.len() + b.body.len())) =>
             {
                 Some(body.len() + b.body.len())
             }
@@ -337,11 +342,14 @@ impl StreamHandler {
                     // The body moves into the decision; the guard returns its bytes after it
                     // (or after the queue, when the request waits there).
                     self.decide(head, body, true, held, false)
-                } else if self.request_send == SEND_BUFFERED_PARTIAL {
+                } else if self.request_send == SEND_BUFFERED_PARTIAL
+                    && head.content_length != Some(body.len())
+                {
                     // Over Envoy's buffer limit: the rest would go upstream unseen, so neither
-                    // the prompt nor the salt's rewrite can be had.
+                    // the prompt nor the salt's rewrite can be had. (Without end-of-stream but
+                    // of its announced length, the body is whole and trailers follow.)
                     self.refuse(&Reject::PartialBody)
-                } else if self.buffered_whole() {
+                } else if self.buffered_whole() || self.request_send == SEND_BUFFERED_PARTIAL {
                     // BUFFERED sends the whole body in one message, without end-of-stream when
                     // trailers follow (sent after our answer, or skipped): decide now, or
                     // Envoy waits for an answer that never comes.
@@ -522,6 +530,10 @@ impl StreamHandler {
             };
             if key == ":path" {
                 head.path = String::from_utf8_lossy(value).into_owned();
+            } else if key == "content-length" {
+                head.content_length = std::str::from_utf8(value)
+                    .ok()
+                    .and_then(|v| v.trim().parse().ok());
             } else if key == TENANT_HEADER {
                 head.tenant.push(value.to_vec());
             } else if key == CONFORMANCE_SELECT {

@@ -247,7 +247,10 @@ impl UsageScanner {
     }
 
     fn end_line(&mut self) {
+        // As for a JSON body: only a whole object counts.
         if self.data
+            && self.finder.done
+            && self.finder.depth == 0
             && let Some(u) = self.finder.found.take()
         {
             self.found = Some(u);
@@ -406,7 +409,7 @@ mod tests {
     /// SSE lines split anywhere across chunks, other fields, comments and CRLF line ends.
     #[test]
     fn sse_lines_split_across_chunks() {
-        let body = ": keepalive\r\nevent: message\r\ndata: {\"usage\":{\"prompt_tokens\":6,\"completion_tokens\":1}}\r\n\r\nid: 1\ndata:{\"usage\":null}\n\ndata: [DONE]\n";
+        let body = ": keepalive\r\nevent: message\r\ndata: {\"usage\":{\"prompt_tokens\":6,\"completion_tokens\":1}}\r\n\r\nid: 1\ndata:{\"usage\":null}\n\ndata: {\"usage\":{\"prompt_tokens\":9}\n\ndata: [DONE]\n";
         for chunk in 1..8 {
             assert_eq!(
                 scan("text/event-stream", body.as_bytes(), chunk),

@@ -636,8 +636,12 @@ impl FlowControl {
                 Some(Err(why)) => Err(why),
                 None => continue,
             };
-            if let Some(tx) = w.tx.take() {
-                let _ = tx.send(outcome);
+            if let Some(tx) = w.tx.take()
+                && let Err(Ok(_unserved)) = tx.send(outcome)
+            {
+                // Booked, but its stream left (or timed out) meanwhile: the booking is dropped
+                // here, and the request was not served.
+                refund(&mut self.state.lock().usage, &w.tenant, w.charged);
             }
         }
     }

@@ -125,6 +125,9 @@ fn header(
     }
 }
 
+/// Longest a snapshot waits for its reader to take the next chunk.
+const SEND_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
+
 async fn send_worker(
     tx: &mpsc::Sender<Result<pb::SnapshotChunk, Status>>,
     header: pb::WorkerHeader,
@@ -132,10 +135,13 @@ async fn send_worker(
     chunk: usize,
 ) -> Result<(), ()> {
     use pb::snapshot_chunk::Item;
+    // A reader that stops reading gives its slot (one of two) back after SEND_DEADLINE.
     let send = |item| async {
-        tx.send(Ok(pb::SnapshotChunk { item: Some(item) }))
-            .await
-            .map_err(|_| ())
+        let sent = tx.send(Ok(pb::SnapshotChunk { item: Some(item) }));
+        match tokio::time::timeout(SEND_DEADLINE, sent).await {
+            Ok(Ok(())) => Ok(()),
+            _ => Err(()),
+        }
     };
     send(Item::Worker(header)).await?;
     for run in export.blocks.chunks(chunk.max(1)) {

@@ -982,6 +982,21 @@ fn body_modes_that_cannot_carry_a_decision_are_refused_with_a_reason() {
     let out = h.on_message(body(req, true)).unwrap();
     assert!(routing_of(&out).0.starts_with("10.0.0."), "{out:?}");
     drop(h);
+    // Within the buffer limit and followed by trailers, a body comes without end-of-stream
+    // too: of its announced length, it is whole.
+    let mut h = r.handler();
+    let length = req.len().to_string();
+    h.on_message(headers(
+        &[(":path", "/v1/completions"), ("content-length", &length)],
+        false,
+        PARTIAL,
+    ))
+    .unwrap();
+    let msg = body(req, false);
+    assert!(h.decides_on(&msg).is_some());
+    let out = h.on_message(msg).unwrap();
+    assert!(routing_of(&out).0.starts_with("10.0.0."), "{out:?}");
+    drop(h);
     assert_eq!(r.total_inflight(), 0);
     let text = r.metrics.encode();
     assert!(text.contains("outcome=\"rejected_body_mode\""), "{text}");

@@ -476,13 +476,11 @@ async fn model_change_under_a_drain(peers_extra: &str) {
         "both replicas serve the worker as model b"
     );
     let changed = Instant::now();
-    // Fresh events of the new model: drained by someone, and in both replicas' index of `b`.
-    engines[0].push(trt_stored(7_000, "t"));
+    // The drain resumes. A drain in flight when the feed restarted is thrown away with the old
+    // feed (its events were the old model's), so fresh events are pushed once the engine has
+    // been drained a few times since the change: they must reach both replicas' index of `b`.
     let resumed = common::eventually(30, || {
-        !engines[0]
-            .drains_between(changed, Instant::now())
-            .is_empty()
-            && engines[0].is_drained()
+        engines[0].drains_between(changed, Instant::now()).len() >= 3
     })
     .await;
     let status = |v: Option<Value>| v.map(|s| s["single_reader_sources"].clone());
@@ -494,6 +492,11 @@ async fn model_change_under_a_drain(peers_extra: &str) {
         status(y.status().await),
         x.log_tail(),
         y.log_tail()
+    );
+    engines[0].push(trt_stored(7_000, "t"));
+    assert!(
+        common::eventually(30, || engines[0].is_drained()).await,
+        "the fresh event is drained"
     );
     assert!(
         common::eventually_async(30, || serves("b", Some(2))).await,

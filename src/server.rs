@@ -103,8 +103,8 @@ pub(crate) fn incoming(listener: TcpListener) -> TcpIncoming {
     TcpIncoming::from(listener).with_nodelay(Some(true))
 }
 
-/// An HTTP listener (metrics, admin) whose accepted connections have TCP_NODELAY set, for the
-/// same reason as [`incoming`]: a response written in pieces must not wait on Nagle.
+/// Accepts a connection on an HTTP listener (metrics, admin) with TCP_NODELAY set, for the same
+/// reason as [`incoming`]: a response written in pieces must not wait on Nagle.
 pub(crate) async fn accept_http(
     listener: &TcpListener,
 ) -> std::io::Result<(tokio::net::TcpStream, SocketAddr)> {
@@ -129,12 +129,6 @@ const HTTP_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest a request may take, its body read included (408 after it).
 const HTTP_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Serves `app` (HTTP/1.1) on `listener` until `stop` fires. Whoever reaches these ports is
-/// untrusted until its token is checked, which needs its headers: connections are capped
-/// ([`MAX_HTTP_CONNECTIONS`]), headers must arrive within [`HTTP_HEADER_TIMEOUT`] and a request
-/// must be done within [`HTTP_REQUEST_TIMEOUT`], so a client that sends half a request, or
-/// trickles a body, neither keeps a connection nor piles them up. Every connection has
-/// TCP_NODELAY; handlers see the peer as `ConnectInfo<SocketAddr>`.
 /// Runs `f` when dropped.
 fn scopeguard(f: impl FnOnce()) -> impl Drop {
     struct Guard<F: FnOnce()>(Option<F>);
@@ -148,6 +142,14 @@ fn scopeguard(f: impl FnOnce()) -> impl Drop {
     Guard(Some(f))
 }
 
+/// Serves `app` (HTTP/1.1) on `listener` until `stop` fires. Whoever reaches these ports is
+/// untrusted until its token is checked, which needs its headers: connections are capped
+/// ([`MAX_HTTP_CONNECTIONS`], [`MAX_HTTP_CONNECTIONS_PER_CLIENT`]), headers must arrive within
+/// [`HTTP_HEADER_TIMEOUT`], a request must be done within [`HTTP_REQUEST_TIMEOUT`] and a
+/// connection closes after [`HTTP_CONNECTION_LIFETIME`], so a client that sends half a request,
+/// trickles a body or never reads its answers holds no slot for long. At `stop` each connection
+/// finishes its request and closes. Every connection has TCP_NODELAY; handlers see the peer as
+/// `ConnectInfo<SocketAddr>`.
 async fn serve_http(
     what: &'static str,
     listener: TcpListener,

@@ -37,31 +37,56 @@ const KNOWN_TTL: Duration = Duration::from_secs(600);
 
 type Key = [u8; 32];
 
-/// Tokens (by hash) and when each answer ends. Pure: the caller passes the time.
-#[derive(Debug, Default)]
-struct AllowedCache {
-    until: HashMap<Key, Instant>,
+/// Tokens (by hash), an answer for each and when it ends; at most [`MAX_ENTRIES`], the one
+/// ending first making room. Pure: the caller passes the time.
+#[derive(Debug)]
+struct Answers<V> {
+    until: HashMap<Key, (Instant, V)>,
 }
 
-impl AllowedCache {
-    fn allows(&self, key: &Key, now: Instant) -> bool {
-        self.until.get(key).is_some_and(|u| now < *u)
+impl<V> Default for Answers<V> {
+    fn default() -> Self {
+        Answers {
+            until: HashMap::new(),
+        }
+    }
+}
+
+impl<V: Copy> Answers<V> {
+    fn get(&self, key: &Key, now: Instant) -> Option<V> {
+        self.until
+            .get(key)
+            .filter(|(u, _)| now < *u)
+            .map(|(_, v)| *v)
     }
 
-    fn insert(&mut self, key: Key, now: Instant) {
-        self.insert_for(key, now, ALLOWED_TTL);
-    }
-
-    fn insert_for(&mut self, key: Key, now: Instant, ttl: Duration) {
+    fn insert_for(&mut self, key: Key, now: Instant, ttl: Duration, answer: V) {
         if self.until.len() >= MAX_ENTRIES && !self.until.contains_key(&key) {
-            self.until.retain(|_, u| now < *u);
+            self.until.retain(|_, (u, _)| now < *u);
             if self.until.len() >= MAX_ENTRIES
-                && let Some(first) = self.until.iter().min_by_key(|(_, u)| **u).map(|(k, _)| *k)
+                && let Some(first) = self
+                    .until
+                    .iter()
+                    .min_by_key(|(_, (u, _))| *u)
+                    .map(|(k, _)| *k)
             {
                 self.until.remove(&first);
             }
         }
-        self.until.insert(key, now + ttl);
+        self.until.insert(key, (now + ttl, answer));
+    }
+}
+
+/// Allowed tokens.
+type AllowedCache = Answers<()>;
+
+impl AllowedCache {
+    fn allows(&self, key: &Key, now: Instant) -> bool {
+        self.get(key, now).is_some()
+    }
+
+    fn insert(&mut self, key: Key, now: Instant) {
+        self.insert_for(key, now, ALLOWED_TTL, ());
     }
 }
 
@@ -73,7 +98,7 @@ pub(crate) struct Reviews {
     /// Tokens allowed within [`KNOWN_TTL`]: their re-check skips the bounds on reviews.
     known: Mutex<AllowedCache>,
     /// Refused tokens and why (the same answer again until it ends).
-    refused: Mutex<HashMap<Key, (Instant, Refusal)>>,
+    refused: Mutex<Answers<Refusal>>,
     in_flight: tokio::sync::Semaphore,
     rate: Mutex<(crate::flow::quota::TokenBucket, Instant)>,
 }
@@ -85,7 +110,7 @@ impl Reviews {
             reviewer,
             cache: Mutex::new(AllowedCache::default()),
             known: Mutex::new(AllowedCache::default()),
-            refused: Mutex::new(HashMap::new()),
+            refused: Mutex::new(Answers::default()),
             in_flight: tokio::sync::Semaphore::new(MAX_IN_FLIGHT),
             rate: Mutex::new((
                 crate::flow::quota::TokenBucket::new(n, n, 0),
@@ -94,23 +119,9 @@ impl Reviews {
         }
     }
 
-    /// A refused token's cached answer.
-    fn refused(&self, key: &Key, now: Instant) -> Option<Refusal> {
-        let refused = self.refused.lock();
-        refused.get(key).filter(|(u, _)| now < *u).map(|(_, r)| *r)
-    }
-
-    fn remember_refused(&self, key: Key, now: Instant, why: Refusal) {
-        let mut refused = self.refused.lock();
-        if refused.len() >= MAX_ENTRIES && !refused.contains_key(&key) {
-            refused.retain(|_, (u, _)| now < *u);
-            if refused.len() >= MAX_ENTRIES
-                && let Some(first) = refused.iter().min_by_key(|(_, (u, _))| *u).map(|(k, _)| *k)
-            {
-                refused.remove(&first);
-            }
-        }
-        refused.insert(key, (now + REFUSED_TTL, why));
+    fn remember_refused(&self, key: Key, why: Refusal) {
+        let now = Instant::now();
+        self.refused.lock().insert_for(key, now, REFUSED_TTL, why);
     }
 
     /// Whether a review may be asked now (the rate's bucket holds one).
@@ -128,7 +139,7 @@ impl Reviews {
         if self.cache.lock().allows(&key, now) {
             return Ok(());
         }
-        if let Some(why) = self.refused(&key, now) {
+        if let Some(why) = self.refused.lock().get(&key, now) {
             return Err(Denied::Refused(why));
         }
         let busy = || Denied::Unavailable("too many token reviews asked; try again".into());
@@ -148,16 +159,16 @@ impl Reviews {
             Ok(Ok(Review::Allowed { .. })) => {
                 let now = Instant::now();
                 self.cache.lock().insert(key, now);
-                self.known.lock().insert_for(key, now, KNOWN_TTL);
+                self.known.lock().insert_for(key, now, KNOWN_TTL, ());
                 Ok(())
             }
             Ok(Ok(Review::Unauthenticated)) => {
-                self.remember_refused(key, Instant::now(), Refusal::InvalidToken);
+                self.remember_refused(key, Refusal::InvalidToken);
                 Err(Denied::Refused(Refusal::InvalidToken))
             }
             Ok(Ok(Review::Forbidden { user, reason })) => {
                 tracing::warn!(%user, %reason, path = self.reviewer.path(), "token review: this user may not read it");
-                self.remember_refused(key, Instant::now(), Refusal::Forbidden);
+                self.remember_refused(key, Refusal::Forbidden);
                 Err(Denied::Refused(Refusal::Forbidden))
             }
             Ok(Err(e)) => Err(Denied::Unavailable(e.to_string())),

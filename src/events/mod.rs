@@ -233,6 +233,11 @@ impl Feeds {
             .collect()
     }
 
+    /// The workers of the registered single-reader sources.
+    pub(crate) fn single_reader_ids(&self) -> Vec<WorkerId> {
+        self.single_readers.lock().keys().copied().collect()
+    }
+
     /// Starts polling a single-reader source into `sink` (no-op if already polling).
     pub(crate) fn poll(
         &self,

@@ -228,10 +228,7 @@ impl StreamHandler {
         match (&self.state, msg.request.as_ref()?) {
             (State::AwaitHeaders, Request::RequestHeaders(h)) if h.end_of_stream => Some(0),
             (State::CollectBody { body, head, .. }, Request::RequestBody(b))
-                if b.end_of_stream
-                    || self.buffered_whole()
-                    || (self.request_send == SEND_BUFFERED_PARTIAL
-                        && head.content_length == Some(body.len() + b.body.len())) =>
+                if self.ends_body(head, body.len() + b.body.len(), b.end_of_stream) =>
             {
                 Some(body.len() + b.body.len())
             }
@@ -240,10 +237,16 @@ impl StreamHandler {
         }
     }
 
-    /// Whether every request body message is the whole body (BUFFERED: it comes without
-    /// end-of-stream when trailers follow).
-    fn buffered_whole(&self) -> bool {
-        self.request_mode == BodyMode::Buffered && self.request_send != SEND_BUFFERED_PARTIAL
+    /// Whether a request body message that brings the body to `len` bytes ends it: it has
+    /// end-of-stream, or comes without it because trailers follow, which BUFFERED does with its
+    /// one message (the whole body) and BUFFERED_PARTIAL with a body of its `content-length`
+    /// (without it, the body was cut at Envoy's buffer limit).
+    fn ends_body(&self, head: &RequestHead, len: usize, end_of_stream: bool) -> bool {
+        end_of_stream
+            || match self.request_send {
+                SEND_BUFFERED_PARTIAL => head.content_length == Some(len),
+                _ => self.request_mode == BodyMode::Buffered,
+            }
     }
 
     /// Whether the decision `msg` makes may run on the calling (I/O) thread: it needs no
@@ -338,22 +341,15 @@ impl StreamHandler {
                     self.refuse(&Reject::BufferFull {
                         budget: self.opts.body_budget.limit(),
                     })
-                } else if b.end_of_stream {
+                } else if self.ends_body(&head, body.len(), b.end_of_stream) {
                     // The body moves into the decision; the guard returns its bytes after it
-                    // (or after the queue, when the request waits there).
-                    self.decide(head, body, true, held, false)
-                } else if self.request_send == SEND_BUFFERED_PARTIAL
-                    && head.content_length != Some(body.len())
-                {
-                    // Over Envoy's buffer limit: the rest would go upstream unseen, so neither
-                    // the prompt nor the salt's rewrite can be had. (Without end-of-stream but
-                    // of its announced length, the body is whole and trailers follow.)
+                    // (or after the queue, when the request waits there). Without end-of-stream
+                    // Envoy waits for this answer before it sends the trailers (or skips them).
+                    self.decide(head, body, b.end_of_stream, held, false)
+                } else if self.request_send == SEND_BUFFERED_PARTIAL {
+                    // Cut at Envoy's buffer limit: the rest would go upstream unseen, so neither
+                    // the prompt nor the salt's rewrite can be had.
                     self.refuse(&Reject::PartialBody)
-                } else if self.buffered_whole() || self.request_send == SEND_BUFFERED_PARTIAL {
-                    // BUFFERED sends the whole body in one message, without end-of-stream when
-                    // trailers follow (sent after our answer, or skipped): decide now, or
-                    // Envoy waits for an answer that never comes.
-                    self.decide(head, body, false, held, false)
                 } else {
                     (State::CollectBody { head, body, held }, Vec::new())
                 }

@@ -579,14 +579,10 @@ impl Fencing {
         before - touched.len()
     }
 
-    /// Whether the fence on `w` is at `epoch`.
+    /// The epoch of the fence on `w`, if any.
     #[cfg(test)]
-    pub(crate) fn superseded_fence(&self, w: &WorkerId, epoch: u64) -> bool {
-        self.inner
-            .lock()
-            .fences
-            .get(w)
-            .is_some_and(|f| f.epoch == epoch)
+    pub(crate) fn fence_epoch(&self, w: &WorkerId) -> Option<u64> {
+        self.inner.lock().fences.get(w).map(|f| f.epoch)
     }
 
     /// How many workers this replica tracks (its pool's and others').
@@ -830,7 +826,7 @@ mod tests {
         let g = fencing(1);
         g.observe_claim(b, Heard::Direct, false, heard(5, 3), true, Instant::now());
         g.observe_claim(b, Heard::Relayed, false, heard(6, 4), true, Instant::now());
-        assert!(g.superseded_fence(&b, 6));
+        assert_eq!(g.fence_epoch(&b), Some(6));
         // Two replicas passing the fence back and forth: it is forgotten by both once nobody
         // claims it directly, at different moments, and not taken in again.
         let (x, y) = (fencing(1), fencing(2));
@@ -888,7 +884,7 @@ mod tests {
         };
         assert!(f.accept_batch(extra, 2, 0, t));
         assert_eq!(f.tracked(), MAX_FOREIGN + 2);
-        assert!(f.superseded_fence(&extra, 3));
+        assert_eq!(f.fence_epoch(&extra), Some(3));
         let pool: HashSet<WorkerId> = [own, extra].into();
         assert_eq!(f.tend(&pool, t0 + idle * 2, idle), MAX_FOREIGN);
         f.observe_claim(

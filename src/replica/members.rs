@@ -273,12 +273,7 @@ pub(crate) async fn probe_loop(state: Arc<ReplicaState>) {
         });
         let results = futures_util::future::join_all(probes).await;
         // This replica's single-reader sources: peers' fences on them are always taken in.
-        let pool: HashSet<WorkerId> = state
-            .feeds
-            .single_readers()
-            .into_iter()
-            .map(|(w, _)| w)
-            .collect();
+        let pool: HashSet<WorkerId> = state.feeds.single_reader_ids().into_iter().collect();
         let m = &state.members;
         let now = Instant::now();
         let mut table = m.table.lock();

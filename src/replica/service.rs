@@ -116,9 +116,9 @@ impl Replica for Service {
             sources: self
                 .state
                 .feeds
-                .single_readers()
-                .into_iter()
-                .map(|(w, _)| w.to_string())
+                .single_reader_ids()
+                .iter()
+                .map(ToString::to_string)
                 .collect(),
             sources_known: true,
         }))

@@ -52,12 +52,7 @@ pub fn serve(
         let _slot = slot;
         state.counters.snapshots_served.inc();
         // Relayed workers and the relay positions, copied together.
-        let single: Vec<WorkerId> = state
-            .feeds
-            .single_readers()
-            .into_iter()
-            .map(|(w, _)| w)
-            .collect();
+        let single = state.feeds.single_reader_ids();
         let (relayed, positions) = state.hub.consistent(|| {
             let copies: Vec<_> = single
                 .iter()

@@ -688,3 +688,138 @@ async fn workers(State(s): State<AdminState>) -> Response {
         .collect();
     Json(json!({ "workers": list })).into_response()
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex, mpsc};
+    use std::time::Duration;
+
+    use axum::http::StatusCode;
+    use axum::response::{IntoResponse, Response};
+
+    use super::{Heavy, off_io};
+
+    /// Work that runs until `release` is sent (or dropped), then answers 200.
+    fn held(started: mpsc::Sender<()>, release: mpsc::Receiver<()>) -> impl FnOnce() -> Response {
+        move || {
+            let _ = started.send(());
+            let _ = release.recv();
+            StatusCode::OK.into_response()
+        }
+    }
+
+    /// Waits (with a generous deadline, never a fixed sleep) until `ready` holds.
+    async fn until(mut ready: impl FnMut() -> bool) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while !ready() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "condition not met in 30 s"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_admin_turn_stays_with_its_work_when_the_client_leaves() {
+        let heavy = Arc::new(Heavy::default());
+        let (started_tx, started) = mpsc::channel();
+        let (release, release_rx) = mpsc::channel();
+        let first = {
+            let heavy = heavy.clone();
+            tokio::spawn(async move { off_io(&heavy, held(started_tx, release_rx)).await })
+        };
+        started
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the first work started");
+        // The client of the first call leaves: its future is dropped, its work keeps running.
+        first.abort();
+        let _ = first.await;
+        let second_started = Arc::new(AtomicBool::new(false));
+        let second = {
+            let heavy = heavy.clone();
+            let started = second_started.clone();
+            tokio::spawn(async move {
+                off_io(&heavy, move || {
+                    started.store(true, Ordering::SeqCst);
+                    StatusCode::OK.into_response()
+                })
+                .await
+            })
+        };
+        // The second call waits for the turn, holding a waiting place meanwhile. Were the turn
+        // freed with the first call's future, its work would start at once: give it a moment
+        // to show (correct code never starts it, so a slow machine cannot fail this).
+        until(|| heavy.waiting.available_permits() == 7 || second_started.load(Ordering::SeqCst))
+            .await;
+        let grace = tokio::time::Instant::now() + Duration::from_millis(200);
+        while tokio::time::Instant::now() < grace && !second_started.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(
+            !second_started.load(Ordering::SeqCst),
+            "a second work ran while the first, whose client left, still held the turn"
+        );
+        assert_eq!(
+            heavy.run.available_permits(),
+            0,
+            "the first work holds the turn"
+        );
+        // It runs once the first work ends.
+        release.send(()).expect("the first work is still running");
+        let answer = second.await.expect("the second call");
+        assert_eq!(answer.status(), StatusCode::OK);
+        assert!(second_started.load(Ordering::SeqCst), "the second work ran");
+        assert_eq!(heavy.run.available_permits(), 1, "the turn is back");
+        assert_eq!(
+            heavy.waiting.available_permits(),
+            8,
+            "no waiting place is kept"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn admin_calls_beyond_the_waiting_places_are_refused_at_once() {
+        let heavy = Arc::new(Heavy::default());
+        let (started_tx, started) = mpsc::channel();
+        let (release, release_rx) = mpsc::channel();
+        let running = {
+            let heavy = heavy.clone();
+            tokio::spawn(async move { off_io(&heavy, held(started_tx, release_rx)).await })
+        };
+        started
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the first work started");
+        // The running call keeps one waiting place; seven more calls queue behind it.
+        let ran = Arc::new(Mutex::new(0usize));
+        let queued: Vec<_> = (0..7)
+            .map(|_| {
+                let heavy = heavy.clone();
+                let ran = ran.clone();
+                tokio::spawn(async move {
+                    off_io(&heavy, move || {
+                        *ran.lock().expect("count") += 1;
+                        StatusCode::OK.into_response()
+                    })
+                    .await
+                })
+            })
+            .collect();
+        until(|| heavy.waiting.available_permits() == 0).await;
+        let refused = off_io(&heavy, || StatusCode::OK.into_response()).await;
+        assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(
+            *ran.lock().expect("count"),
+            0,
+            "nothing ran beside the first work"
+        );
+        release.send(()).expect("the first work is still running");
+        assert_eq!(running.await.expect("first").status(), StatusCode::OK);
+        for q in queued {
+            assert_eq!(q.await.expect("queued").status(), StatusCode::OK);
+        }
+        assert_eq!(*ran.lock().expect("count"), 7, "every queued call ran once");
+        assert_eq!(heavy.waiting.available_permits(), 8);
+    }
+}

@@ -84,10 +84,6 @@ impl AllowedCache {
     fn allows(&self, key: &Key, now: Instant) -> bool {
         self.get(key, now).is_some()
     }
-
-    fn insert(&mut self, key: Key, now: Instant) {
-        self.insert_for(key, now, ALLOWED_TTL, ());
-    }
 }
 
 /// TokenReview (and SubjectAccessReview) behind a cache of answers and a bound on the reviews
@@ -101,10 +97,16 @@ pub(crate) struct Reviews {
     refused: Mutex<Answers<Refusal>>,
     in_flight: tokio::sync::Semaphore,
     rate: Mutex<(crate::flow::quota::TokenBucket, Instant)>,
+    /// [`ALLOWED_TTL`] (tests shorten it).
+    allowed_ttl: Duration,
 }
 
 impl Reviews {
     pub(crate) fn new(reviewer: TokenReviewer) -> Reviews {
+        Reviews::with_allowed_ttl(reviewer, ALLOWED_TTL)
+    }
+
+    fn with_allowed_ttl(reviewer: TokenReviewer, allowed_ttl: Duration) -> Reviews {
         let n = REVIEWS_PER_SECOND;
         Reviews {
             reviewer,
@@ -116,6 +118,7 @@ impl Reviews {
                 crate::flow::quota::TokenBucket::new(n, n, 0),
                 Instant::now(),
             )),
+            allowed_ttl,
         }
     }
 
@@ -158,7 +161,7 @@ impl Reviews {
         match review {
             Ok(Ok(Review::Allowed { .. })) => {
                 let now = Instant::now();
-                self.cache.lock().insert(key, now);
+                self.cache.lock().insert_for(key, now, self.allowed_ttl, ());
                 self.known.lock().insert_for(key, now, KNOWN_TTL, ());
                 Ok(())
             }
@@ -181,6 +184,8 @@ impl Reviews {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
 
     fn key(i: usize) -> Key {
@@ -191,7 +196,7 @@ mod tests {
     fn allowances_expire() {
         let (mut c, t0) = (AllowedCache::default(), Instant::now());
         assert!(!c.allows(&key(1), t0));
-        c.insert(key(1), t0);
+        c.insert_for(key(1), t0, ALLOWED_TTL, ());
         assert!(c.allows(&key(1), t0 + ALLOWED_TTL - Duration::from_millis(1)));
         assert!(!c.allows(&key(1), t0 + ALLOWED_TTL));
         assert!(!c.allows(&key(2), t0));
@@ -201,10 +206,15 @@ mod tests {
     fn the_cache_is_bounded_and_evicts_the_oldest_first() {
         let (mut c, t0) = (AllowedCache::default(), Instant::now());
         for i in 0..MAX_ENTRIES {
-            c.insert(key(i), t0 + Duration::from_millis(i as u64));
+            c.insert_for(
+                key(i),
+                t0 + Duration::from_millis(i as u64),
+                ALLOWED_TTL,
+                (),
+            );
         }
         let later = t0 + Duration::from_secs(1);
-        c.insert(key(MAX_ENTRIES), later);
+        c.insert_for(key(MAX_ENTRIES), later, ALLOWED_TTL, ());
         assert_eq!(c.until.len(), MAX_ENTRIES);
         assert!(
             !c.allows(&key(0), later),
@@ -213,8 +223,108 @@ mod tests {
         assert!(c.allows(&key(1), later) && c.allows(&key(MAX_ENTRIES), later));
         // Expired entries go before any live one.
         let much_later = later + ALLOWED_TTL + Duration::from_secs(1);
-        c.insert(key(MAX_ENTRIES + 1), much_later);
+        c.insert_for(key(MAX_ENTRIES + 1), much_later, ALLOWED_TTL, ());
         assert_eq!(c.until.len(), 1);
         assert!(c.allows(&key(MAX_ENTRIES + 1), much_later));
+    }
+
+    /// A Kubernetes API that answers TokenReviews and SubjectAccessReviews: `scraper` is a
+    /// service account allowed to read, any other token is unknown; a review of a token named
+    /// `stuck-*` is answered only once `gate` opens. Counts the TokenReviews per token.
+    fn fake_api(
+        gate: Arc<tokio::sync::Semaphore>,
+        asked: Arc<parking_lot::Mutex<HashMap<String, usize>>>,
+    ) -> kube::Client {
+        use http_body_util::{BodyExt, Full};
+        let service = tower::service_fn(move |req: axum::http::Request<kube::client::Body>| {
+            let (gate, asked) = (gate.clone(), asked.clone());
+            async move {
+                let path = req.uri().path().to_owned();
+                let body = req.into_body().collect().await?.to_bytes();
+                let mut v: serde_json::Value = serde_json::from_slice(&body)?;
+                if path.ends_with("/tokenreviews") {
+                    let token = v["spec"]["token"].as_str().unwrap_or_default().to_owned();
+                    *asked.lock().entry(token.clone()).or_default() += 1;
+                    if token.starts_with("stuck-") {
+                        let _open = gate.acquire().await?;
+                    }
+                    v["status"] = if token == "scraper" {
+                        serde_json::json!({"authenticated": true, "user": {"username": "system:serviceaccount:mon:prom"}})
+                    } else {
+                        serde_json::json!({"authenticated": false})
+                    };
+                } else {
+                    v["status"] = serde_json::json!({"allowed": true});
+                }
+                let out = serde_json::to_vec(&v)?;
+                Ok::<_, Box<dyn std::error::Error + Send + Sync>>(axum::http::Response::new(
+                    Full::new(bytes::Bytes::from(out)),
+                ))
+            }
+        });
+        kube::Client::new(service, "default")
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_scraper_allowed_before_is_served_while_made_up_tokens_hold_every_review() {
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let asked = Arc::new(parking_lot::Mutex::new(HashMap::new()));
+        let client = fake_api(gate.clone(), asked.clone());
+        // Allowances end after 50 ms here (a minute in service), so the scraper's next call
+        // is a re-check, as a minute later in service.
+        let ttl = Duration::from_millis(50);
+        let reviews = Arc::new(Reviews::with_allowed_ttl(
+            TokenReviewer::new(client, "/metrics"),
+            ttl,
+        ));
+        assert!(
+            reviews.verify("scraper").await.is_ok(),
+            "the scraper is allowed"
+        );
+        assert!(matches!(
+            reviews.verify("made-up").await,
+            Err(Denied::Refused(Refusal::InvalidToken))
+        ));
+        // Made-up tokens take every review slot and hold it.
+        let stuck: Vec<_> = (0..MAX_IN_FLIGHT)
+            .map(|i| {
+                let reviews = reviews.clone();
+                tokio::spawn(async move { reviews.verify(&format!("stuck-{i}")).await })
+            })
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while reviews.in_flight.available_permits() > 0 {
+            assert!(Instant::now() < deadline, "the stuck reviews never started");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // Any other token is turned away without asking ...
+        assert!(matches!(
+            reviews.verify("another-made-up").await,
+            Err(Denied::Unavailable(_))
+        ));
+        assert_eq!(asked.lock().get("another-made-up"), None, "not asked");
+        // ... but the scraper, once its allowance has ended, is checked again and served.
+        let key: Key = Sha256::digest(b"scraper").into();
+        while reviews.cache.lock().allows(&key, Instant::now()) {
+            assert!(Instant::now() < deadline, "the allowance never ended");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(
+            reviews.verify("scraper").await.is_ok(),
+            "a scraper allowed before is served while made-up tokens hold every review"
+        );
+        assert_eq!(
+            asked.lock().get("scraper"),
+            Some(&2),
+            "it was checked again"
+        );
+        gate.add_permits(MAX_IN_FLIGHT);
+        for s in stuck {
+            assert!(matches!(
+                s.await.expect("review"),
+                Err(Denied::Refused(Refusal::InvalidToken))
+            ));
+        }
+        assert_eq!(reviews.in_flight.available_permits(), MAX_IN_FLIGHT);
     }
 }

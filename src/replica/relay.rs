@@ -111,6 +111,9 @@ struct HubState {
     relayed_order: VecDeque<u64>,
     /// The workers each origin relayed: what a reset of that origin drops.
     origin_workers: HashMap<u64, HashSet<WorkerId>>,
+    /// When each other origin last gave this replica a position (a batch, or a snapshot's
+    /// positions): origins gone for [`FORGET_AFTER`] are forgotten ([`RelayHub::forget_origins`]).
+    heard: HashMap<u64, Instant>,
 }
 
 /// The relay: this replica's log and what it applied from others.
@@ -169,6 +172,7 @@ impl RelayHub {
                 relayed: HashMap::new(),
                 relayed_order: VecDeque::new(),
                 origin_workers: HashMap::new(),
+                heard: HashMap::new(),
             }),
             tail: watch::channel(0).0,
             counters,
@@ -194,11 +198,54 @@ impl RelayHub {
     /// Adopts the positions a snapshot reflects.
     pub(crate) fn set_positions(&self, positions: &[(u64, u64)]) {
         let mut st = self.state.lock();
+        let now = Instant::now();
         for &(origin, next) in positions {
             if origin != self.instance {
                 st.positions.insert(origin, next);
+                st.heard.insert(origin, now);
             }
         }
+    }
+
+    /// Forgets every other origin `keep` does not name (a live peer, or one being caught up
+    /// on) that has given nothing since `now - after`: its position, the tail of its batches
+    /// and the workers it relayed. Each replica start is a new origin, so without this the
+    /// hub would keep an entry per restart of every peer for as long as it runs. Should a
+    /// forgotten origin ever stream again, its first batch is a first contact (applied after a
+    /// reset that has nothing left to drop), as after a bootstrap. Returns how many it forgot.
+    pub(crate) fn forget_origins(
+        &self,
+        keep: impl Fn(u64) -> bool,
+        now: Instant,
+        after: Duration,
+    ) -> usize {
+        let mut st = self.state.lock();
+        let st = &mut *st;
+        let quiet = |origin: &u64| {
+            !keep(*origin)
+                && st
+                    .heard
+                    .get(origin)
+                    .is_none_or(|t| now.saturating_duration_since(*t) >= after)
+        };
+        let gone: Vec<u64> = st
+            .positions
+            .keys()
+            .chain(st.origin_workers.keys())
+            .chain(st.relayed.keys())
+            .filter(|o| quiet(o))
+            .copied()
+            .collect::<HashSet<u64>>()
+            .into_iter()
+            .collect();
+        for origin in &gone {
+            st.positions.remove(origin);
+            st.origin_workers.remove(origin);
+            st.relayed.remove(origin);
+            st.heard.remove(origin);
+        }
+        st.relayed_order.retain(|o| !gone.contains(o));
+        gone.len()
     }
 
     /// The next sequence expected from `origin`.
@@ -371,6 +418,7 @@ impl RelayHub {
             Applied::AfterReset
         };
         st.positions.insert(b.origin, b.seq.saturating_add(1));
+        st.heard.insert(b.origin, Instant::now());
         let placed = self.place(b);
         if let Some((worker, _)) = &placed {
             let ticket = Ticket {
@@ -630,6 +678,18 @@ pub(crate) async fn maintain(state: Arc<ReplicaState>) {
                     tracing::debug!(origin = format!("{gone:016x}"), "caught up");
                 });
             }
+        }
+        let caught: HashSet<u64> = catching.lock().keys().copied().collect();
+        let forgotten = state.hub.forget_origins(
+            |o| alive.contains(&o) || live.contains(&o) || caught.contains(&o),
+            now,
+            FORGET_AFTER,
+        );
+        if forgotten > 0 {
+            tracing::debug!(
+                forgotten,
+                "forgot the relay positions of replicas gone for a while"
+            );
         }
         alive = live;
         let sources = state.feeds.single_readers();

@@ -552,3 +552,49 @@ proptest! {
         run(ops)?;
     }
 }
+
+#[test]
+fn origins_gone_for_a_while_are_forgotten_and_a_return_is_a_first_contact() {
+    let rig = rig();
+    let mut model = Model::new();
+    // Three origins stream to this replica; 1 and 2 will be gone, 3 stays live.
+    for origin in [1, 2, 3] {
+        for _ in 0..3 {
+            empty(&rig, &mut model, origin).expect("applied");
+        }
+    }
+    let hub = &rig.hub;
+    let live = |o: u64| o == 3;
+    let now = Instant::now();
+    // Recently heard: nothing is forgotten yet.
+    assert_eq!(hub.forget_origins(live, now, FORGET_AFTER), 0);
+    assert_eq!(hub.position(1), Some(3));
+    // Past the quiet period, every origin but the live one goes, with all it left behind.
+    let later = now + FORGET_AFTER + Duration::from_secs(1);
+    assert_eq!(hub.forget_origins(live, later, FORGET_AFTER), 2);
+    for gone in [1, 2] {
+        assert_eq!(hub.position(gone), None);
+        assert!(hub.origin_workers(gone).is_empty());
+        assert!(hub.read_origin(gone, 0).is_empty());
+    }
+    assert_eq!(hub.position(3), Some(3));
+    assert!(!hub.origin_workers(3).is_empty());
+    assert_eq!(hub.read_origin(3, 0).len(), 3);
+    {
+        let st = hub.state.lock();
+        assert_eq!(st.heard.len(), 1);
+        assert_eq!(st.relayed_order, VecDeque::from([3]));
+    }
+    // A forgotten origin streaming again mid-sequence is a first contact: applied after a
+    // reset that has nothing left to drop.
+    let (w, m) = placeable()[2];
+    let b = pb::RelayBatch {
+        origin: 1,
+        seq: 7,
+        model: m.to_owned(),
+        endpoint: w.endpoint.to_string(),
+        ..Default::default()
+    };
+    assert_eq!(hub.apply_relayed(&b, &mine()), Applied::AfterReset);
+    assert_eq!(hub.position(1), Some(8));
+}

@@ -700,13 +700,26 @@ mod tests {
 
     use super::{Heavy, off_io};
 
-    /// Work that runs until `release` is sent (or dropped), then answers 200.
-    fn held(started: mpsc::Sender<()>, release: mpsc::Receiver<()>) -> impl FnOnce() -> Response {
-        move || {
-            let _ = started.send(());
-            let _ = release.recv();
-            StatusCode::OK.into_response()
-        }
+    /// Starts a call whose work runs until the returned sender sends (or is dropped), then
+    /// answers 200; returns once the work runs.
+    async fn start_held(
+        heavy: &Arc<Heavy>,
+    ) -> (tokio::task::JoinHandle<Response>, mpsc::Sender<()>) {
+        let (started_tx, started) = mpsc::channel();
+        let (release, release_rx) = mpsc::channel::<()>();
+        let heavy = heavy.clone();
+        let call = tokio::spawn(async move {
+            off_io(&heavy, move || {
+                let _ = started_tx.send(());
+                let _ = release_rx.recv();
+                StatusCode::OK.into_response()
+            })
+            .await
+        });
+        started
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the work started");
+        (call, release)
     }
 
     /// Waits (with a generous deadline, never a fixed sleep) until `ready` holds.
@@ -724,15 +737,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_admin_turn_stays_with_its_work_when_the_client_leaves() {
         let heavy = Arc::new(Heavy::default());
-        let (started_tx, started) = mpsc::channel();
-        let (release, release_rx) = mpsc::channel();
-        let first = {
-            let heavy = heavy.clone();
-            tokio::spawn(async move { off_io(&heavy, held(started_tx, release_rx)).await })
-        };
-        started
-            .recv_timeout(Duration::from_secs(30))
-            .expect("the first work started");
+        let (first, release) = start_held(&heavy).await;
         // The client of the first call leaves: its future is dropped, its work keeps running.
         first.abort();
         let _ = first.await;
@@ -782,15 +787,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn admin_calls_beyond_the_waiting_places_are_refused_at_once() {
         let heavy = Arc::new(Heavy::default());
-        let (started_tx, started) = mpsc::channel();
-        let (release, release_rx) = mpsc::channel();
-        let running = {
-            let heavy = heavy.clone();
-            tokio::spawn(async move { off_io(&heavy, held(started_tx, release_rx)).await })
-        };
-        started
-            .recv_timeout(Duration::from_secs(30))
-            .expect("the first work started");
+        let (running, release) = start_held(&heavy).await;
         // The running call keeps one waiting place; seven more calls queue behind it.
         let ran = Arc::new(Mutex::new(0usize));
         let queued: Vec<_> = (0..7)

@@ -46,13 +46,16 @@ fn takeover_bound() -> Duration {
 /// handoff 3) and than the lease duration.
 const PARTITION: Duration = Duration::from_secs(3);
 
-fn body(engines: &[std::net::SocketAddr; 2], kubeconfig: &std::path::Path) -> String {
+fn body(engines: &[std::net::SocketAddr], kubeconfig: &std::path::Path) -> String {
+    let workers: Vec<String> = engines
+        .iter()
+        .map(|e| format!("{{endpoint: '{e}', model: m}}"))
+        .collect();
     format!(
         "events: {{engine: trtllm, trtllm: {{poll_interval_ms: 50}}}}\n\
-         workers: [{{endpoint: '{}', model: m}}, {{endpoint: '{}', model: m}}]\n\
+         workers: [{}]\n\
          pool: {{namespace: default, kubeconfig: '{}'}}\n",
-        engines[0],
-        engines[1],
+        workers.join(", "),
         kubeconfig.display()
     )
 }
@@ -357,4 +360,115 @@ async fn a_lease_gives_every_drain_one_owner_through_partitions_pauses_kills_and
         "lease scenario took {:?}; {writes} lease writes, {conflicts} conflicts; final index {after} blocks",
         started.elapsed()
     );
+}
+
+/// While pools differ (a rollout that changes a static `workers` list part way through), the
+/// Lease's holder may lack engines its peers have. It never drains those, and before, nobody
+/// did until the holder had them too, while each engine's bounded event buffer lost what it
+/// held. Now the replicas that have such an engine own it by the probe rules until the holder
+/// lists it. Here `b` has engine 0 only and holds the Lease: it drains engine 0, and `a` and
+/// `c`, which have all four, drain engines 1-3 between them, never two at once. When `b` shuts
+/// down, the next holder takes every engine over, again never two at once and within the
+/// takeover bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_the_lease_holder_lacks_are_drained_by_the_replicas_that_have_them() {
+    let fake = FakeKube::start().await;
+    let kubeconfig = fake.kubeconfig(&common::test_dir("lease-kube"));
+    let engines: Vec<DrainEngine> = (0..4).map(|_| DrainEngine::default()).collect();
+    let mut addrs = Vec::new();
+    for e in &engines {
+        addrs.push(e.start().await);
+    }
+    let (all, old) = (body(&addrs, &kubeconfig), body(&addrs[..1], &kubeconfig));
+    let ps = [ports(), ports(), ports()];
+    let peers: Vec<u16> = ps.iter().map(|p| p.peer).collect();
+    let mut names: HashMap<u32, String> = HashMap::new();
+    // `b`, with the old list, starts alone and takes the Lease.
+    let mut b = Replica::spawn_with("b", &ps[1], &old, &peers, LEASE);
+    track(&engines, &b, &mut names);
+    b.wait_ready(60).await;
+    let holds = common::eventually_async(30, || async { lease(&b).await["held"] == true }).await;
+    assert!(holds, "b takes the Lease: {}", lease(&b).await);
+    let a = Replica::spawn_with("a", &ps[0], &all, &peers, LEASE);
+    track(&engines, &a, &mut names);
+    let c = Replica::spawn_with("c", &ps[2], &all, &peers, LEASE);
+    track(&engines, &c, &mut names);
+    for r in [&a, &c] {
+        r.wait_ready(60).await;
+    }
+    let split = || {
+        recent_poller(&engines[0], &names).is_some_and(|p| p.starts_with("b#"))
+            && engines[1..].iter().all(|e| {
+                recent_poller(e, &names).is_some_and(|p| p.starts_with("a#") || p.starts_with("c#"))
+            })
+    };
+    assert!(
+        common::eventually(60, split).await,
+        "the holder drains its engine, the others drain the engines it lacks: {:?}\n{}\n{}",
+        engines
+            .iter()
+            .map(|e| recent_poller(e, &names))
+            .collect::<Vec<_>>(),
+        a.log_tail(),
+        c.log_tail()
+    );
+    let settled = Instant::now();
+    tokio::time::sleep(PROBE * 10).await;
+    assert_eq!(
+        lease(&b).await["held"],
+        true,
+        "b still holds the Lease, so a and c drained under the probe rules"
+    );
+    let bound = takeover_bound();
+    for (i, e) in engines.iter().enumerate() {
+        let drains = e.drains_between(settled, Instant::now());
+        assert!(!drains.is_empty(), "engine {i} was not drained");
+        check_drains(&format!("engine {i}"), &drains, &names, &[], PROBE, bound);
+    }
+
+    // The holder leaves (SIGTERM, as in a rolling update): the next holder has every engine,
+    // so it owns them all under the Lease and the other stands down.
+    b.signal("TERM");
+    let exited = common::eventually(20, || {
+        b.child
+            .as_mut()
+            .is_some_and(|c| c.try_wait().is_ok_and(|s| s.is_some()))
+    })
+    .await;
+    assert!(exited, "b exits on SIGTERM:\n{}", b.log_tail());
+    b.kill();
+    let left = Instant::now();
+    let one_holder = || {
+        let pollers: Vec<Option<String>> =
+            engines.iter().map(|e| recent_poller(e, &names)).collect();
+        pollers[0].is_some() && pollers.iter().all(|p| *p == pollers[0])
+    };
+    assert!(
+        common::eventually(60, one_holder).await,
+        "the new holder drains every engine: {:?}\n{}\n{}",
+        engines
+            .iter()
+            .map(|e| recent_poller(e, &names))
+            .collect::<Vec<_>>(),
+        a.log_tail(),
+        c.log_tail()
+    );
+    let holder = recent_poller(&engines[0], &names).unwrap_or_default();
+    let held = if holder.starts_with("a#") { &a } else { &c };
+    assert_eq!(lease(held).await["held"], true, "{holder} holds the Lease");
+    tokio::time::sleep(PROBE * 10).await;
+    for (i, e) in engines.iter().enumerate() {
+        let gap = check_drains(
+            &format!("engine {i}, whole run"),
+            &e.drains_between(settled, Instant::now()),
+            &names,
+            &[],
+            PROBE,
+            bound,
+        );
+        eprintln!(
+            "engine {i}: longest time without a poller {gap:?} (bound {bound:?}); the holder left {:?} ago",
+            left.elapsed()
+        );
+    }
 }

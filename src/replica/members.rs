@@ -158,6 +158,17 @@ impl Members {
             .collect()
     }
 
+    /// Whether peer `instance` answered recently and its pool, as its last `Hello` listed it,
+    /// lacks `worker` (false when it did not answer or does not list its pool: not known to).
+    pub(crate) fn lacks(&self, instance: u64, worker: &str) -> bool {
+        let now = Instant::now();
+        self.table.lock().values().any(|m| {
+            m.instance == instance
+                && self.answered(m, now)
+                && m.sources.as_ref().is_some_and(|s| !s.contains(worker))
+        })
+    }
+
     /// The address a peer instance answers on.
     pub fn addr_of(&self, instance: u64) -> Option<SocketAddr> {
         self.view()
@@ -372,8 +383,8 @@ pub(crate) async fn probe_loop(state: Arc<ReplicaState>) {
             let peer_claims = view
                 .iter()
                 .any(|p| p.claims.iter().any(|pc| pc.worker == name));
-            // With a drain Lease, only its confirmed renewals extend the claims (`lease.rs`).
-            let probes_decide = state.lease().is_none();
+            // Under a drain Lease, only its confirmed renewals extend the claims (`lease.rs`).
+            let probes_decide = state.lease_for(&w).is_none();
             if probes_decide
                 && c.active
                 && !peer_claims

@@ -390,21 +390,37 @@ impl ReplicaState {
         self.lease.get()
     }
 
-    /// Until when a claim activated now may drain: the drain Lease's confirmed holding, or the
-    /// lease the last completed probe round confirmed. `None`: not now.
-    pub(crate) fn drain_lease_until(&self) -> Option<Instant> {
-        match self.lease() {
+    /// The drain Lease when it decides who drains `worker`: always, unless its holder is
+    /// another replica whose pool (by its last `Hello`) lacks the worker, as while a rollout
+    /// changes a static `workers` list. The holder would never drain such a worker, so until
+    /// it has it too the worker is owned as without a Lease, by the probe rules among the
+    /// replicas that have it; once the holder lists it, they stand down and it claims above
+    /// their claims.
+    pub(crate) fn lease_for(&self, worker: &WorkerId) -> Option<&Arc<lease::DrainLease>> {
+        let l = self.lease()?;
+        match l.holder() {
+            Some(h) if h != self.instance && self.members.lacks(h, &worker.to_string()) => None,
+            _ => Some(l),
+        }
+    }
+
+    /// Until when a claim on `worker` activated now may drain: the drain Lease's confirmed
+    /// holding, or the lease the last completed probe round confirmed (see
+    /// [`ReplicaState::lease_for`]). `None`: not now.
+    pub(crate) fn drain_lease_until(&self, worker: &WorkerId) -> Option<Instant> {
+        match self.lease_for(worker) {
             Some(l) => l.held_until(Instant::now()),
             None => Some(self.members.lease_until()),
         }
     }
 
-    /// The replica that owns a single-reader source: with a drain Lease, its holder (this one
-    /// only while ready and its holding is confirmed); else the highest rendezvous weight among
-    /// the ready replicas that have the source in their pool (this one included when ready: it
-    /// is only asked about its own sources). `None` when no replica is known to.
+    /// The replica that owns a single-reader source: under the drain Lease (see
+    /// [`ReplicaState::lease_for`]), its holder (this one only while ready and its holding is
+    /// confirmed); else the highest rendezvous weight among the ready replicas that have the
+    /// source in their pool (this one included when ready: it is only asked about its own
+    /// sources). `None` when no replica is known to.
     pub(crate) fn owner_of(&self, worker: &WorkerId) -> Option<u64> {
-        if let Some(l) = self.lease() {
+        if let Some(l) = self.lease_for(worker) {
             if self.is_ready() && l.held_until(Instant::now()).is_some() {
                 return Some(self.instance);
             }

@@ -733,9 +733,9 @@ pub(crate) async fn maintain(state: Arc<ReplicaState>) {
                 continue;
             }
             let ours = fencing.claim_of(w);
-            // With a drain Lease the API server arbitrates: a peer's stale claim (a previous
+            // Under the drain Lease the API server arbitrates: a peer's stale claim (a previous
             // holder that has not yet seen it lost) is no reason to back off.
-            let leased = state.lease().is_some();
+            let leased = state.lease_for(w).is_some();
             match (&ours, peer_top) {
                 // A peer claims the source while we drain it. It never claims while it sees a
                 // claim, so it does not see ours (a one-way cut, or our answers reach it too
@@ -769,7 +769,7 @@ pub(crate) async fn maintain(state: Arc<ReplicaState>) {
                 }
                 (None, Some(_)) => continue, // it stands down first when it sees us own it
                 (None, None) => {
-                    let floor = state.lease().map_or(0, |l| l.epoch_floor());
+                    let floor = state.lease_for(w).map_or(0, |l| l.epoch_floor());
                     let epoch = fencing.claim_above(*w, floor);
                     tracing::debug!(worker = %w, epoch, "claiming the worker's event drain");
                     owner_since.insert(*w, now);
@@ -809,7 +809,7 @@ pub(crate) async fn maintain(state: Arc<ReplicaState>) {
                 && !waiting_for_catch_up
                 && handed_over(&state, &view, w)
             {
-                let Some(until) = state.drain_lease_until() else {
+                let Some(until) = state.drain_lease_until(w) else {
                     continue;
                 };
                 let prev = fencing

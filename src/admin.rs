@@ -550,6 +550,8 @@ async fn replica(State(s): State<AdminState>) -> Response {
             json!({
                 "worker": w.to_string(),
                 "owner": r.owner_of(w).map(hex),
+                // Under the Lease: whether its holder owns the worker, or (lacking it) delegated it.
+                "delegated": r.lease().is_some() && r.lease_for(w).is_none(),
                 "polling": s.feeds.is_owned_here(w),
                 "epoch": claim.map(|c| c.epoch),
                 "claim_active": claim.is_some_and(|c| c.active),
@@ -574,6 +576,12 @@ async fn replica(State(s): State<AdminState>) -> Response {
         "single_reader_sources": sources,
         "coordination": if r.lease().is_some() { "lease" } else { "probes" },
         "lease": r.lease().map(|l| l.status()),
+        // As the Lease's holder: the sources its pool lacks, and the peer each is delegated to.
+        "delegations": r
+            .delegations()
+            .into_iter()
+            .map(|(w, d)| json!({"worker": w, "owner": hex(d)}))
+            .collect::<Vec<_>>(),
         "relay_positions": relay,
         "counters": {
             "snapshots_served": c.snapshots_served.get(),

@@ -366,10 +366,13 @@ async fn a_lease_gives_every_drain_one_owner_through_partitions_pauses_kills_and
 /// Lease's holder may lack engines its peers have. It never drains those, and before, nobody
 /// did until the holder had them too, while each engine's bounded event buffer lost what it
 /// held. Now the replicas that have such an engine own it by the probe rules until the holder
-/// lists it. Here `b` has engine 0 only and holds the Lease: it drains engine 0, and `a` and
-/// `c`, which have all four, drain engines 1-3 between them, never two at once. When `b` shuts
-/// down, the next holder takes every engine over, again never two at once and within the
-/// takeover bound.
+/// lists it, and the holder chooses which one drains each (it delegates the engine in its
+/// `Hello`) and only for as long as its own holding is confirmed. Here `b` has engine 0 only
+/// and holds the Lease: it drains engine 0, and `a` and `c`, which have all four, drain
+/// engines 1-3 between them, never two at once. With the API server unreachable nobody drains
+/// once the holding could have expired (a replica cut off with the holder must not drain
+/// beside a later holder elsewhere). When `b` shuts down, the next holder takes every engine
+/// over, again never two at once and within the takeover bound.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engines_the_lease_holder_lacks_are_drained_by_the_replicas_that_have_them() {
     let fake = FakeKube::start().await;
@@ -426,6 +429,32 @@ async fn engines_the_lease_holder_lacks_are_drained_by_the_replicas_that_have_th
         check_drains(&format!("engine {i}"), &drains, &names, &[], PROBE, bound);
     }
 
+    // The API server unreachable: the holder's holding runs out, and the delegations with it.
+    // Nobody drains any engine once the holding could have expired, so a replica cut off with
+    // the holder cannot drain beside a later holder elsewhere (no drainer rather than two).
+    let outage = Instant::now();
+    fake.stop().await;
+    let expiry = outage + Duration::from_secs(LEASE_SECS);
+    let quiet_until = expiry + Duration::from_secs(LEASE_SECS) * 2;
+    tokio::time::sleep(quiet_until.saturating_duration_since(Instant::now())).await;
+    for (i, e) in engines.iter().enumerate() {
+        let late = e.drains_between(expiry, Instant::now());
+        assert!(
+            late.is_empty(),
+            "engine {i}: drained {} times while the API server was unreachable, after the holding could have expired",
+            late.len()
+        );
+    }
+    fake.restart().await;
+    let back = Instant::now();
+    assert!(
+        common::eventually(60, || engines
+            .iter()
+            .all(|e| recent_poller(e, &names).is_some()))
+        .await,
+        "draining resumes once the API server is back"
+    );
+
     // The holder leaves (SIGTERM, as in a rolling update): the next holder has every engine,
     // so it owns them all under the Lease and the other stands down.
     b.signal("TERM");
@@ -459,8 +488,8 @@ async fn engines_the_lease_holder_lacks_are_drained_by_the_replicas_that_have_th
     tokio::time::sleep(PROBE * 10).await;
     for (i, e) in engines.iter().enumerate() {
         let gap = check_drains(
-            &format!("engine {i}, whole run"),
-            &e.drains_between(settled, Instant::now()),
+            &format!("engine {i}, since the API server came back"),
+            &e.drains_between(back, Instant::now()),
             &names,
             &[],
             PROBE,

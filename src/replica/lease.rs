@@ -3,7 +3,11 @@
 //! With probes alone, a symmetric partition (each side reaches its own half) lets each side own
 //! the single-reader sources it sees as orphaned. On Kubernetes the API server is the arbiter:
 //! one `coordination.k8s.io/v1` Lease per replica set, and only its holder drains TensorRT-LLM
-//! workers (all of them; it relays to the others as before). One Lease rather than one per
+//! workers (all of them in its pool; it relays to the others as before). A worker its pool lacks
+//! (a rollout part way through changing a static `workers` list) it delegates to one peer that
+//! has it, named in its `Hello` with the time its holding still runs: that peer drains it only
+//! while the holder's answers name it and never past that time (`ReplicaState::owner_of`,
+//! `delegated_until`), so every worker still has one drainer at most. One Lease rather than one per
 //! worker: the API load is one write per renew period whatever the number of workers (hundreds
 //! of per-worker Leases renewed every 2 s would be a steady stream of etcd writes), and a
 //! takeover moves every drain at once, within the same bound a per-worker Lease would give.
@@ -542,7 +546,7 @@ async fn acquire_once(lease: &DrainLease, ready: bool) -> Result<(), LeaseError>
             tracing::info!(
                 lease = lease.api.name(),
                 transitions,
-                "this replica holds the drain lease: it owns every TensorRT-LLM drain"
+                "this replica holds the drain lease: it owns every TensorRT-LLM drain in its pool and delegates the others"
             );
             Ok(())
         }

@@ -46,6 +46,11 @@ pub struct Member {
     /// The single-reader sources in its pool (`None`: it does not say, so it may own any).
     /// Shared, so copying a member (`view`) does not copy the pool.
     pub sources: Option<std::sync::Arc<HashSet<String>>>,
+    /// As the drain Lease's holder: until when its confirmed holding runs at the latest
+    /// (measured from the start of the probe round that heard it, so never later than the
+    /// holder's own bound), and to whom it delegates each source its pool lacks (worker →
+    /// instance). `None` when it did not say it holds.
+    pub holding: Option<(Instant, std::sync::Arc<HashMap<String, u64>>)>,
 }
 
 /// The peer table.
@@ -166,6 +171,20 @@ impl Members {
             m.instance == instance
                 && self.answered(m, now)
                 && m.sources.as_ref().is_some_and(|s| !s.contains(worker))
+        })
+    }
+
+    /// The replica to which peer `instance`, as the drain Lease's holder, delegates `worker`,
+    /// and until when at the latest (its confirmed holding): from its last answer, if recent,
+    /// while that holding runs.
+    pub(crate) fn delegate(&self, instance: u64, worker: &str) -> Option<(u64, Instant)> {
+        let now = Instant::now();
+        self.table.lock().values().find_map(|m| {
+            if m.instance != instance || !self.answered(m, now) {
+                return None;
+            }
+            let (until, delegates) = m.holding.as_ref()?;
+            (now < *until).then_some((*delegates.get(worker)?, *until))
         })
     }
 
@@ -344,6 +363,20 @@ pub(crate) async fn probe_loop(state: Arc<ReplicaState>) {
                             sources: reply
                                 .sources_known
                                 .then(|| std::sync::Arc::new(reply.sources.into_iter().collect())),
+                            // The holder answered after this round began: its holding ends
+                            // no earlier than this.
+                            holding: (reply.holding_ms > 0).then(|| {
+                                (
+                                    round_start + Duration::from_millis(reply.holding_ms),
+                                    std::sync::Arc::new(
+                                        reply
+                                            .delegations
+                                            .into_iter()
+                                            .map(|d| (d.worker, d.owner))
+                                            .collect(),
+                                    ),
+                                )
+                            }),
                         },
                     );
                     if prev.as_ref().map(|p| (p.instance, p.ready))
@@ -383,9 +416,17 @@ pub(crate) async fn probe_loop(state: Arc<ReplicaState>) {
             let peer_claims = view
                 .iter()
                 .any(|p| p.claims.iter().any(|pc| pc.worker == name));
-            // Under a drain Lease, only its confirmed renewals extend the claims (`lease.rs`).
-            let probes_decide = state.lease_for(&w).is_none();
-            if probes_decide
+            // Under the drain Lease, its confirmed renewals extend the holder's claims
+            // (`lease.rs`); a source the holder delegated is renewed here, never past the
+            // holding the holder reported.
+            let until = match state.lease() {
+                None => Some(until),
+                Some(_) if state.lease_for(&w).is_none() => {
+                    state.delegated_until(&w).map(|t| t.min(until))
+                }
+                Some(_) => None,
+            };
+            if let Some(until) = until
                 && c.active
                 && !peer_claims
                 && state.owner_of(&w) == Some(state.instance)

@@ -263,6 +263,9 @@ pub struct ReplicaState {
     started: Instant,
     /// The drain Lease, with `peers.coordination: lease`.
     lease: std::sync::OnceLock<Arc<lease::DrainLease>>,
+    /// As the Lease's holder: the sources its pool lacks and the peer each is delegated to
+    /// (set by each drain round, sent in `Hello`).
+    delegations: parking_lot::Mutex<Vec<(String, u64)>>,
 }
 
 impl ReplicaState {
@@ -317,6 +320,7 @@ impl ReplicaState {
             metrics,
             feeds,
             members: Members::new(instance, &config, tls.clone()),
+            delegations: parking_lot::Mutex::new(Vec::new()),
             config,
             token,
             tls,
@@ -390,12 +394,10 @@ impl ReplicaState {
         self.lease.get()
     }
 
-    /// The drain Lease when it decides who drains `worker`: always, unless its holder is
-    /// another replica whose pool (by its last `Hello`) lacks the worker, as while a rollout
-    /// changes a static `workers` list. The holder would never drain such a worker, so until
-    /// it has it too the worker is owned as without a Lease, by the probe rules among the
-    /// replicas that have it; once the holder lists it, they stand down and it claims above
-    /// their claims.
+    /// The drain Lease when its holder decides who drains `worker` by draining it itself:
+    /// always, unless the holder is another replica whose pool (by its last `Hello`) lacks the
+    /// worker, as while a rollout changes a static `workers` list. Such a worker is drained by
+    /// the peer the holder delegates it to ([`ReplicaState::delegated_until`]).
     pub(crate) fn lease_for(&self, worker: &WorkerId) -> Option<&Arc<lease::DrainLease>> {
         let l = self.lease()?;
         match l.holder() {
@@ -404,23 +406,57 @@ impl ReplicaState {
         }
     }
 
-    /// Until when a claim on `worker` activated now may drain: the drain Lease's confirmed
-    /// holding, or the lease the last completed probe round confirmed (see
-    /// [`ReplicaState::lease_for`]). `None`: not now.
-    pub(crate) fn drain_lease_until(&self, worker: &WorkerId) -> Option<Instant> {
-        match self.lease_for(worker) {
-            Some(l) => l.held_until(Instant::now()),
-            None => Some(self.members.lease_until()),
+    /// For a worker the Lease's holder lacks and delegates to this replica: until when at the
+    /// latest this replica may drain it (the holding the holder last reported). `None`: the
+    /// holder does not (or no longer) delegates it here, or there is no such holder.
+    pub(crate) fn delegated_until(&self, worker: &WorkerId) -> Option<Instant> {
+        let holder = self.lease()?.holder()?;
+        match self.members.delegate(holder, &worker.to_string()) {
+            Some((d, until)) if d == self.instance => Some(until),
+            _ => None,
         }
     }
 
-    /// The replica that owns a single-reader source: under the drain Lease (see
-    /// [`ReplicaState::lease_for`]), its holder (this one only while ready and its holding is
-    /// confirmed); else the highest rendezvous weight among the ready replicas that have the
+    /// What this replica, as the Lease's holder, delegates (`Hello`, `/debug/replica`).
+    pub(crate) fn delegations(&self) -> Vec<(String, u64)> {
+        self.delegations.lock().clone()
+    }
+
+    /// Sets what this replica, as the Lease's holder, delegates.
+    pub(crate) fn set_delegations(&self, d: Vec<(String, u64)>) {
+        *self.delegations.lock() = d;
+    }
+
+    /// Until when a claim on `worker` activated now may drain: the drain Lease's confirmed
+    /// holding; for a worker the holder delegated here, the holding it reported, and no longer
+    /// than the last completed probe round confirms; without a Lease, what that round confirms.
+    /// `None`: not now.
+    pub(crate) fn drain_lease_until(&self, worker: &WorkerId) -> Option<Instant> {
+        match (self.lease(), self.lease_for(worker)) {
+            (_, Some(l)) => l.held_until(Instant::now()),
+            (Some(_), None) => self
+                .delegated_until(worker)
+                .map(|t| t.min(self.members.lease_until())),
+            (None, None) => Some(self.members.lease_until()),
+        }
+    }
+
+    /// The replica that owns a single-reader source: under the drain Lease, its holder (this
+    /// one only while ready and its holding is confirmed), or for a worker the holder lacks,
+    /// the peer its last answer delegates it to while its holding runs (none otherwise);
+    /// without a Lease, the highest rendezvous weight among the ready replicas that have the
     /// source in their pool (this one included when ready: it is only asked about its own
     /// sources). `None` when no replica is known to.
     pub(crate) fn owner_of(&self, worker: &WorkerId) -> Option<u64> {
-        if let Some(l) = self.lease_for(worker) {
+        if let Some(l) = self.lease() {
+            if self.lease_for(worker).is_none() {
+                let holder = l.holder()?;
+                return self
+                    .members
+                    .delegate(holder, &worker.to_string())
+                    .map(|(d, _)| d)
+                    .filter(|&d| d != self.instance || self.is_ready());
+            }
             if self.is_ready() && l.held_until(Instant::now()).is_some() {
                 return Some(self.instance);
             }

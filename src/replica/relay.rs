@@ -650,6 +650,9 @@ pub(crate) async fn maintain(state: Arc<ReplicaState>) {
     let mut owner_since: HashMap<WorkerId, Instant> = HashMap::new();
     let mut subs: HashMap<u64, tokio::task::JoinHandle<()>> = HashMap::new();
     let mut alive: HashSet<u64> = HashSet::new();
+    // As the Lease's holder: since when each source a peer has is missing from this pool.
+    let mut lacking_since: HashMap<String, Instant> = HashMap::new();
+    let delegate_after = interval * DELEGATE_AFTER_INTERVALS;
     // Origins being caught up on, and the sources each relayed (only those wait for it).
     let catching: Arc<Mutex<HashMap<u64, HashSet<WorkerId>>>> = Arc::default();
     let mut tick = tokio::time::interval(interval);
@@ -702,6 +705,14 @@ pub(crate) async fn maintain(state: Arc<ReplicaState>) {
                 "forgot the fencing of workers no replica has claimed for a while"
             );
         }
+        state.set_delegations(delegations(
+            &state,
+            &view,
+            &pool,
+            &mut lacking_since,
+            now,
+            delegate_after,
+        ));
         for (w, sr) in &sources {
             let name = w.to_string();
             if state.owner_of(w) != Some(state.instance) {
@@ -916,6 +927,54 @@ impl Drop for RelayHub {
     fn drop(&mut self) {
         self.tail.send_replace(u64::MAX);
     }
+}
+
+/// Drain rounds a source must be missing from the Lease holder's pool, while a ready peer has
+/// it, before the holder delegates it: a pool that only lags behind a watch by a moment is not
+/// worth two handovers.
+const DELEGATE_AFTER_INTERVALS: u32 = 10;
+
+/// As the confirmed holder of the drain Lease: each source that ready peers have, that this
+/// replica's `pool` has lacked for `after`, with the peer of highest rendezvous weight among
+/// those that have it. Empty when this replica does not hold the Lease.
+fn delegations(
+    state: &ReplicaState,
+    view: &[super::members::Member],
+    pool: &HashSet<WorkerId>,
+    lacking_since: &mut HashMap<String, Instant>,
+    now: Instant,
+    after: Duration,
+) -> Vec<(String, u64)> {
+    let holds = state
+        .lease()
+        .is_some_and(|l| state.is_ready() && l.held_until(now).is_some());
+    if !holds {
+        lacking_since.clear();
+        return Vec::new();
+    }
+    let own: HashSet<String> = pool.iter().map(ToString::to_string).collect();
+    let mut have: HashMap<&str, Vec<u64>> = HashMap::new();
+    for m in view.iter().filter(|m| m.ready) {
+        for w in m.sources.iter().flat_map(|s| s.iter()) {
+            if !own.contains(w) {
+                have.entry(w.as_str()).or_default().push(m.instance);
+            }
+        }
+    }
+    lacking_since.retain(|w, _| have.contains_key(w.as_str()));
+    let mut out: Vec<(String, u64)> = have
+        .into_iter()
+        .filter_map(|(w, peers)| {
+            let since = *lacking_since.entry(w.to_owned()).or_insert(now);
+            let id: WorkerId = w.parse().ok()?;
+            let d = peers
+                .into_iter()
+                .max_by_key(|&i| (super::rendezvous(i, &id), i))?;
+            (now.duration_since(since) >= after).then(|| (w.to_owned(), d))
+        })
+        .collect();
+    out.sort_unstable();
+    out
 }
 
 /// Streams one peer's relay log into this replica until the stream breaks.

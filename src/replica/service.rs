@@ -63,6 +63,22 @@ impl Replica for Service {
         req: Request<pb::HelloRequest>,
     ) -> Result<Response<pb::HelloReply>, Status> {
         self.authorize(&req)?;
+        let now = std::time::Instant::now();
+        let holding_ms = match self.state.lease() {
+            Some(l) if self.state.is_ready() => l
+                .held_until(now)
+                .map_or(0, |t| t.duration_since(now).as_millis() as u64),
+            _ => 0,
+        };
+        let delegations = if holding_ms > 0 {
+            self.state
+                .delegations()
+                .into_iter()
+                .map(|(worker, owner)| pb::Delegation { worker, owner })
+                .collect()
+        } else {
+            Vec::new()
+        };
         Ok(Response::new(pb::HelloReply {
             instance: self.state.instance,
             ready: self.state.is_ready(),
@@ -121,6 +137,8 @@ impl Replica for Service {
                 .map(ToString::to_string)
                 .collect(),
             sources_known: true,
+            holding_ms,
+            delegations,
         }))
     }
 

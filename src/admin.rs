@@ -550,8 +550,8 @@ async fn replica(State(s): State<AdminState>) -> Response {
             json!({
                 "worker": w.to_string(),
                 "owner": r.owner_of(w).map(hex),
-                // Under the Lease: whether its holder owns the worker, or (lacking it) delegated it.
-                "delegated": r.lease().is_some() && r.lease_for(w).is_none(),
+                // Under the Lease: whether its holder, lacking the worker, delegated it (to `owner`).
+                "delegated": r.lease().is_some() && r.lease_for(w).is_none() && r.owner_of(w).is_some(),
                 "polling": s.feeds.is_owned_here(w),
                 "epoch": claim.map(|c| c.epoch),
                 "claim_active": claim.is_some_and(|c| c.active),

@@ -175,12 +175,24 @@ impl Members {
     }
 
     /// The replica to which peer `instance`, as the drain Lease's holder, delegates `worker`,
-    /// and until when at the latest (its confirmed holding): from its last answer, if recent,
-    /// while that holding runs.
-    pub(crate) fn delegate(&self, instance: u64, worker: &str) -> Option<(u64, Instant)> {
+    /// and until when at the latest (its confirmed holding): from its last answer while that
+    /// holding runs. `fresh`: only an answer to the last completed probe round counts (what
+    /// renews or starts a delegate's drain: it then ends at most a claim lease after the last
+    /// round that heard the holder, before any successor can start); otherwise any recent one
+    /// (who owns the worker: one missed answer only lets a delegate's claim lapse).
+    pub(crate) fn delegate(
+        &self,
+        instance: u64,
+        worker: &str,
+        fresh: bool,
+    ) -> Option<(u64, Instant)> {
         let now = Instant::now();
+        let last_round = *self.last_round.lock();
         self.table.lock().values().find_map(|m| {
             if m.instance != instance || !self.answered(m, now) {
+                return None;
+            }
+            if fresh && last_round.is_none_or(|r| m.last_ok < r) {
                 return None;
             }
             let (until, delegates) = m.holding.as_ref()?;

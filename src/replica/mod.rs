@@ -407,11 +407,12 @@ impl ReplicaState {
     }
 
     /// For a worker the Lease's holder lacks and delegates to this replica: until when at the
-    /// latest this replica may drain it (the holding the holder last reported). `None`: the
-    /// holder does not (or no longer) delegates it here, or there is no such holder.
+    /// latest this replica may drain it (the holding the holder reported in its answer to the
+    /// last completed probe round). `None`: the holder does not (or no longer) delegates it
+    /// here, did not answer that round, or there is no such holder.
     pub(crate) fn delegated_until(&self, worker: &WorkerId) -> Option<Instant> {
         let holder = self.lease()?.holder()?;
-        match self.members.delegate(holder, &worker.to_string()) {
+        match self.members.delegate(holder, &worker.to_string(), true) {
             Some((d, until)) if d == self.instance => Some(until),
             _ => None,
         }
@@ -453,7 +454,7 @@ impl ReplicaState {
                 let holder = l.holder()?;
                 return self
                     .members
-                    .delegate(holder, &worker.to_string())
+                    .delegate(holder, &worker.to_string(), false)
                     .map(|(d, _)| d)
                     .filter(|&d| d != self.instance || self.is_ready());
             }

@@ -650,8 +650,8 @@ pub(crate) async fn maintain(state: Arc<ReplicaState>) {
     let mut owner_since: HashMap<WorkerId, Instant> = HashMap::new();
     let mut subs: HashMap<u64, tokio::task::JoinHandle<()>> = HashMap::new();
     let mut alive: HashSet<u64> = HashSet::new();
-    // As the Lease's holder: since when each source a peer has is missing from this pool.
-    let mut lacking_since: HashMap<String, Instant> = HashMap::new();
+    // As the Lease's holder: the sources a peer has and this pool lacks.
+    let mut lacking: HashMap<String, Lacking> = HashMap::new();
     let delegate_after = interval * DELEGATE_AFTER_INTERVALS;
     // Origins being caught up on, and the sources each relayed (only those wait for it).
     let catching: Arc<Mutex<HashMap<u64, HashSet<WorkerId>>>> = Arc::default();
@@ -709,7 +709,7 @@ pub(crate) async fn maintain(state: Arc<ReplicaState>) {
             &state,
             &view,
             &pool,
-            &mut lacking_since,
+            &mut lacking,
             now,
             delegate_after,
         ));
@@ -930,18 +930,31 @@ impl Drop for RelayHub {
 }
 
 /// Drain rounds a source must be missing from the Lease holder's pool, while a ready peer has
-/// it, before the holder delegates it: a pool that only lags behind a watch by a moment is not
-/// worth two handovers.
+/// it, before the holder delegates it (a pool that only lags behind a watch by a moment is not
+/// worth two handovers); and rounds a delegate has to show a claim on it before the holder
+/// names another (one that does not hear the holder would hold it undrained).
 const DELEGATE_AFTER_INTERVALS: u32 = 10;
 
-/// As the confirmed holder of the drain Lease: each source that ready peers have, that this
-/// replica's `pool` has lacked for `after`, with the peer of highest rendezvous weight among
-/// those that have it. Empty when this replica does not hold the Lease.
+/// What the Lease's holder keeps about a source its pool lacks and ready peers have.
+struct Lacking {
+    /// Since when.
+    since: Instant,
+    /// The peer it is delegated to, and since when.
+    delegate: Option<(u64, Instant)>,
+    /// Peers passed over: named for [`DELEGATE_AFTER_INTERVALS`] without claiming it.
+    passed: HashSet<u64>,
+}
+
+/// As the confirmed holder of the drain Lease: each source that ready peers have and that this
+/// replica's `pool` has lacked for `after`, with the peer it is delegated to. A delegate keeps
+/// the source while it stays ready with the source in its pool (no flapping as peers come and
+/// go), unless it shows no claim on it `after` being named: it is passed over for the next of
+/// highest rendezvous weight. Empty when this replica does not hold the Lease.
 fn delegations(
     state: &ReplicaState,
     view: &[super::members::Member],
     pool: &HashSet<WorkerId>,
-    lacking_since: &mut HashMap<String, Instant>,
+    lacking: &mut HashMap<String, Lacking>,
     now: Instant,
     after: Duration,
 ) -> Vec<(String, u64)> {
@@ -949,7 +962,7 @@ fn delegations(
         .lease()
         .is_some_and(|l| state.is_ready() && l.held_until(now).is_some());
     if !holds {
-        lacking_since.clear();
+        lacking.clear();
         return Vec::new();
     }
     let own: HashSet<String> = pool.iter().map(ToString::to_string).collect();
@@ -961,18 +974,52 @@ fn delegations(
             }
         }
     }
-    lacking_since.retain(|w, _| have.contains_key(w.as_str()));
-    let mut out: Vec<(String, u64)> = have
-        .into_iter()
-        .filter_map(|(w, peers)| {
-            let since = *lacking_since.entry(w.to_owned()).or_insert(now);
-            let id: WorkerId = w.parse().ok()?;
-            let d = peers
-                .into_iter()
-                .max_by_key(|&i| (super::rendezvous(i, &id), i))?;
-            (now.duration_since(since) >= after).then(|| (w.to_owned(), d))
-        })
-        .collect();
+    lacking.retain(|w, _| have.contains_key(w.as_str()));
+    let claims = |instance: u64, w: &str| {
+        view.iter()
+            .any(|m| m.instance == instance && m.claims.iter().any(|c| c.worker == w))
+    };
+    let mut out = Vec::new();
+    for (w, peers) in have {
+        let Ok(id) = w.parse::<WorkerId>() else {
+            continue;
+        };
+        let l = lacking.entry(w.to_owned()).or_insert_with(|| Lacking {
+            since: now,
+            delegate: None,
+            passed: HashSet::new(),
+        });
+        if now.duration_since(l.since) < after {
+            continue;
+        }
+        if let Some((d, named)) = l.delegate {
+            if !peers.contains(&d) {
+                l.delegate = None;
+            } else if now.duration_since(named) >= after && !claims(d, w) {
+                tracing::info!(
+                    worker = w,
+                    delegate = format!("{d:016x}"),
+                    "the delegate of a worker this replica lacks never claimed it: naming another"
+                );
+                l.passed.insert(d);
+                l.delegate = None;
+            }
+        }
+        if l.delegate.is_none() {
+            if peers.iter().all(|p| l.passed.contains(p)) {
+                l.passed.clear();
+            }
+            l.delegate = peers
+                .iter()
+                .copied()
+                .filter(|p| !l.passed.contains(p))
+                .max_by_key(|&i| (super::rendezvous(i, &id), i))
+                .map(|d| (d, now));
+        }
+        if let Some((d, _)) = l.delegate {
+            out.push((w.to_owned(), d));
+        }
+    }
     out.sort_unstable();
     out
 }

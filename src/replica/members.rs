@@ -196,7 +196,14 @@ impl Members {
                 return None;
             }
             let (until, delegates) = m.holding.as_ref()?;
-            (now < *until).then_some((*delegates.get(worker)?, *until))
+            // A fresh answer lets a drain run at most a claim lease past that round's start:
+            // the same round, read once here, so a round completing meanwhile cannot lend a
+            // later start to an earlier answer.
+            let until = match last_round {
+                Some(r) if fresh => (*until).min(r + self.lease),
+                _ => *until,
+            };
+            (now < until).then_some((*delegates.get(worker)?, until))
         })
     }
 

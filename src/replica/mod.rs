@@ -408,8 +408,9 @@ impl ReplicaState {
 
     /// For a worker the Lease's holder lacks and delegates to this replica: until when at the
     /// latest this replica may drain it (the holding the holder reported in its answer to the
-    /// last completed probe round). `None`: the holder does not (or no longer) delegates it
-    /// here, did not answer that round, or there is no such holder.
+    /// last completed probe round, and no more than a claim lease past that round's start).
+    /// `None`: the holder does not (or no longer) delegates it here, did not answer that round,
+    /// or there is no such holder.
     pub(crate) fn delegated_until(&self, worker: &WorkerId) -> Option<Instant> {
         let holder = self.lease()?.holder()?;
         match self.members.delegate(holder, &worker.to_string(), true) {
@@ -435,9 +436,7 @@ impl ReplicaState {
     pub(crate) fn drain_lease_until(&self, worker: &WorkerId) -> Option<Instant> {
         match (self.lease(), self.lease_for(worker)) {
             (_, Some(l)) => l.held_until(Instant::now()),
-            (Some(_), None) => self
-                .delegated_until(worker)
-                .map(|t| t.min(self.members.lease_until())),
+            (Some(_), None) => self.delegated_until(worker),
             (None, None) => Some(self.members.lease_until()),
         }
     }

@@ -931,15 +931,16 @@ impl Drop for RelayHub {
 
 /// Drain rounds a source must be missing from the Lease holder's pool, while a ready peer has
 /// it, before the holder delegates it (a pool that only lags behind a watch by a moment is not
-/// worth two handovers); and rounds a delegate has to show a claim on it before the holder
-/// names another (one that does not hear the holder would hold it undrained).
+/// worth two handovers); and rounds a delegate may go without an active claim on it before
+/// the holder names another (one that does not hear the holder would hold it undrained).
 const DELEGATE_AFTER_INTERVALS: u32 = 10;
 
 /// What the Lease's holder keeps about a source its pool lacks and ready peers have.
 struct Lacking {
     /// Since when.
     since: Instant,
-    /// The peer it is delegated to, and since when.
+    /// The peer it is delegated to, and since when it was named or last showed an active
+    /// claim on it.
     delegate: Option<(u64, Instant)>,
     /// Peers passed over: named for [`DELEGATE_AFTER_INTERVALS`] without claiming it.
     passed: HashSet<u64>,
@@ -948,8 +949,9 @@ struct Lacking {
 /// As the confirmed holder of the drain Lease: each source that ready peers have and that this
 /// replica's `pool` has lacked for `after`, with the peer it is delegated to. A delegate keeps
 /// the source while it stays ready with the source in its pool (no flapping as peers come and
-/// go), unless it shows no claim on it `after` being named: it is passed over for the next of
-/// highest rendezvous weight. Empty when this replica does not hold the Lease.
+/// go), unless it shows no active claim on it for `after` since it was named or last drained
+/// (it cannot hear this replica, or cannot start): it is passed over for the next of highest
+/// rendezvous weight. Empty when this replica does not hold the Lease.
 fn delegations(
     state: &ReplicaState,
     view: &[super::members::Member],
@@ -975,9 +977,9 @@ fn delegations(
         }
     }
     lacking.retain(|w, _| have.contains_key(w.as_str()));
-    let claims = |instance: u64, w: &str| {
+    let draining = |instance: u64, w: &str| {
         view.iter()
-            .any(|m| m.instance == instance && m.claims.iter().any(|c| c.worker == w))
+            .any(|m| m.instance == instance && m.claims.iter().any(|c| c.worker == w && c.active))
     };
     let mut out = Vec::new();
     for (w, peers) in have {
@@ -992,14 +994,17 @@ fn delegations(
         if now.duration_since(l.since) < after {
             continue;
         }
-        if let Some((d, named)) = l.delegate {
+        if let Some((d, seen)) = &mut l.delegate {
+            let d = *d;
             if !peers.contains(&d) {
                 l.delegate = None;
-            } else if now.duration_since(named) >= after && !claims(d, w) {
+            } else if draining(d, w) {
+                *seen = now;
+            } else if now.duration_since(*seen) >= after {
                 tracing::info!(
                     worker = w,
                     delegate = format!("{d:016x}"),
-                    "the delegate of a worker this replica lacks never claimed it: naming another"
+                    "the delegate of a worker this replica lacks has not drained it for a while: naming another"
                 );
                 l.passed.insert(d);
                 l.delegate = None;

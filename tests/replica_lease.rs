@@ -399,6 +399,12 @@ async fn engines_the_lease_holder_lacks_are_drained_by_the_replicas_that_have_th
     for r in [&a, &c] {
         r.wait_ready(60).await;
     }
+    let pollers = || {
+        engines
+            .iter()
+            .map(|e| recent_poller(e, &names))
+            .collect::<Vec<_>>()
+    };
     let split = || {
         recent_poller(&engines[0], &names).is_some_and(|p| p.starts_with("b#"))
             && engines[1..].iter().all(|e| {
@@ -408,10 +414,7 @@ async fn engines_the_lease_holder_lacks_are_drained_by_the_replicas_that_have_th
     assert!(
         common::eventually(60, split).await,
         "the holder drains its engine, the others drain the engines it lacks: {:?}\n{}\n{}",
-        engines
-            .iter()
-            .map(|e| recent_poller(e, &names))
-            .collect::<Vec<_>>(),
+        pollers(),
         a.log_tail(),
         c.log_tail()
     );
@@ -468,17 +471,13 @@ async fn engines_the_lease_holder_lacks_are_drained_by_the_replicas_that_have_th
     b.kill();
     let left = Instant::now();
     let one_holder = || {
-        let pollers: Vec<Option<String>> =
-            engines.iter().map(|e| recent_poller(e, &names)).collect();
-        pollers[0].is_some() && pollers.iter().all(|p| *p == pollers[0])
+        let p = pollers();
+        p[0].is_some() && p.iter().all(|x| *x == p[0])
     };
     assert!(
         common::eventually(60, one_holder).await,
         "the new holder drains every engine: {:?}\n{}\n{}",
-        engines
-            .iter()
-            .map(|e| recent_poller(e, &names))
-            .collect::<Vec<_>>(),
+        pollers(),
         a.log_tail(),
         c.log_tail()
     );

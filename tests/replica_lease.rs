@@ -99,7 +99,22 @@ async fn wait_new_poller(
     }
 }
 
-/// Drains of `engine` within `[from, to)`.
+/// With the API server unreachable since `outage`: waits two lease durations past the point
+/// where the holding could have expired, then asserts that no engine was drained after it.
+async fn no_drain_after_expiry(engines: &[DrainEngine], outage: Instant) {
+    let expiry = outage + Duration::from_secs(LEASE_SECS);
+    let quiet_until = expiry + Duration::from_secs(LEASE_SECS) * 2;
+    tokio::time::sleep(quiet_until.saturating_duration_since(Instant::now())).await;
+    for (i, e) in engines.iter().enumerate() {
+        let late = e.drains_between(expiry, Instant::now());
+        assert!(
+            late.is_empty(),
+            "engine {i}: drained {} times while the API server was unreachable, after the holding could have expired",
+            late.len()
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_gives_every_drain_one_owner_through_partitions_pauses_kills_and_outages() {
     let fake = FakeKube::start().await;
@@ -249,17 +264,7 @@ async fn a_lease_gives_every_drain_one_owner_through_partitions_pauses_kills_and
     );
     // Watch longer than a lease duration past the point where it could have expired: a
     // takeover would show as a drain.
-    let expiry = outage + Duration::from_secs(LEASE_SECS);
-    let quiet_until = expiry + Duration::from_secs(LEASE_SECS) * 2;
-    tokio::time::sleep(quiet_until.saturating_duration_since(Instant::now())).await;
-    for (i, e) in engines.iter().enumerate() {
-        let late = e.drains_between(expiry, Instant::now());
-        assert!(
-            late.is_empty(),
-            "engine {i}: drained {} times while the API server was unreachable, after the lease expired",
-            late.len()
-        );
-    }
+    no_drain_after_expiry(&engines, outage).await;
     let metrics = common::http(
         format!("127.0.0.1:{}", ps[survivor].metrics)
             .parse::<std::net::SocketAddr>()
@@ -437,17 +442,7 @@ async fn engines_the_lease_holder_lacks_are_drained_by_the_replicas_that_have_th
     // the holder cannot drain beside a later holder elsewhere (no drainer rather than two).
     let outage = Instant::now();
     fake.stop().await;
-    let expiry = outage + Duration::from_secs(LEASE_SECS);
-    let quiet_until = expiry + Duration::from_secs(LEASE_SECS) * 2;
-    tokio::time::sleep(quiet_until.saturating_duration_since(Instant::now())).await;
-    for (i, e) in engines.iter().enumerate() {
-        let late = e.drains_between(expiry, Instant::now());
-        assert!(
-            late.is_empty(),
-            "engine {i}: drained {} times while the API server was unreachable, after the holding could have expired",
-            late.len()
-        );
-    }
+    no_drain_after_expiry(&engines, outage).await;
     fake.restart().await;
     let back = Instant::now();
     assert!(

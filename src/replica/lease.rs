@@ -7,10 +7,11 @@
 //! (a rollout part way through changing a static `workers` list) it delegates to one peer that
 //! has it, named in its `Hello` with the time its holding still runs: that peer drains it only
 //! while the holder's answer to its last completed probe round names it, never past that time
-//! (`ReplicaState::owner_of`, `delegated_until`), so every worker still has one drainer at most. One Lease rather than one per
-//! worker: the API load is one write per renew period whatever the number of workers (hundreds
-//! of per-worker Leases renewed every 2 s would be a steady stream of etcd writes), and a
-//! takeover moves every drain at once, within the same bound a per-worker Lease would give.
+//! (`ReplicaState::owner_of`, `delegated_until`), so every worker still has one drainer at
+//! most. One Lease rather than one per worker: the API load is one write per renew period
+//! whatever the number of workers (hundreds of per-worker Leases renewed every 2 s would be a
+//! steady stream of etcd writes), and a takeover moves every drain at once, within the same
+//! bound a per-worker Lease would give.
 //!
 //! The rules (`Elector`, pure, and [`run`], the loop):
 //! - **Acquire** only when ready: create the Lease when it does not exist, or update it naming

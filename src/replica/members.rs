@@ -166,12 +166,23 @@ impl Members {
     /// Whether peer `instance` answered recently and its pool, as its last `Hello` listed it,
     /// lacks `worker` (false when it did not answer or does not list its pool: not known to).
     pub(crate) fn lacks(&self, instance: u64, worker: &str) -> bool {
-        let now = Instant::now();
-        self.table.lock().values().any(|m| {
-            m.instance == instance
-                && self.answered(m, now)
-                && m.sources.as_ref().is_some_and(|s| !s.contains(worker))
+        self.answered_by(instance, |m| {
+            m.sources
+                .as_ref()
+                .is_some_and(|s| !s.contains(worker))
+                .then_some(())
         })
+        .is_some()
+    }
+
+    /// `f` of peer `instance`'s last answer, if it answered recently.
+    fn answered_by<R>(&self, instance: u64, f: impl FnOnce(&Member) -> Option<R>) -> Option<R> {
+        let now = Instant::now();
+        let table = self.table.lock();
+        let m = table
+            .values()
+            .find(|m| m.instance == instance && self.answered(m, now))?;
+        f(m)
     }
 
     /// The replica to which peer `instance`, as the drain Lease's holder, delegates `worker`,
@@ -188,10 +199,7 @@ impl Members {
     ) -> Option<(u64, Instant)> {
         let now = Instant::now();
         let last_round = *self.last_round.lock();
-        self.table.lock().values().find_map(|m| {
-            if m.instance != instance || !self.answered(m, now) {
-                return None;
-            }
+        self.answered_by(instance, |m| {
             if fresh && last_round.is_none_or(|r| m.last_ok < r) {
                 return None;
             }
@@ -424,9 +432,9 @@ pub(crate) async fn probe_loop(state: Arc<ReplicaState>) {
         // does not keep one per address ever seen (clones in use keep theirs until done).
         m.channels.lock().retain(|a, _| addrs.contains(a));
         *m.last_round.lock() = Some(round_start);
-        // Leases of claims this replica still holds run from this round's start: it saw every
-        // peer's claims after that instant (a round that began before a pause confirms nothing).
-        let until = round_start + m.lease;
+        // Leases of claims this replica still holds run from this round's start (just set as
+        // the last round, which `drain_lease_until` reads): it saw every peer's claims after
+        // that instant (a round that began before a pause confirms nothing).
         let view = m.view();
         for (w, c) in state.hub.fencing.claims() {
             let name = w.to_string();
@@ -436,14 +444,11 @@ pub(crate) async fn probe_loop(state: Arc<ReplicaState>) {
                 .iter()
                 .any(|p| p.claims.iter().any(|pc| pc.worker == name));
             // Under the drain Lease, its confirmed renewals extend the holder's claims
-            // (`lease.rs`); a source the holder delegated is renewed here, never past the
-            // holding the holder reported.
-            let until = match state.lease() {
-                None => Some(until),
-                Some(_) if state.lease_for(&w).is_none() => {
-                    state.delegated_until(&w).map(|t| t.min(until))
-                }
+            // (`lease.rs`); a source the holder delegated is renewed here, as without a Lease,
+            // from this round (never past the holding the holder reported).
+            let until = match state.lease_for(&w) {
                 Some(_) => None,
+                None => state.drain_lease_until(&w),
             };
             if let Some(until) = until
                 && c.active

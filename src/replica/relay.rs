@@ -228,15 +228,13 @@ impl RelayHub {
                     .get(origin)
                     .is_none_or(|t| now.saturating_duration_since(*t) >= after)
         };
-        let gone: Vec<u64> = st
+        let gone: HashSet<u64> = st
             .positions
             .keys()
             .chain(st.origin_workers.keys())
             .chain(st.relayed.keys())
             .filter(|o| quiet(o))
             .copied()
-            .collect::<HashSet<u64>>()
-            .into_iter()
             .collect();
         for origin in &gone {
             st.positions.remove(origin);
